@@ -1,0 +1,12 @@
+"""`residual`: saved-tensor hooks for JAX. Pack, quantize, offload or recompute the
+residuals your gradients save."""
+
+from . import policies as policies
+from ._errors import HookError as HookError
+from ._info import ResidualInfo as ResidualInfo
+from ._policy import Policy as Policy
+from ._scope import disable_saved_tensors_hooks as disable_saved_tensors_hooks
+from ._scope import saved_tensors_hooks as saved_tensors_hooks
+from ._transform import with_hooks as with_hooks
+
+__version__ = "0.1.0"

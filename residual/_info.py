@@ -1,0 +1,71 @@
+"""`ResidualInfo`: everything a policy may know about one residual."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualInfo:
+    """What a policy may know about one residual, fixed when the forward is traced.
+
+    A residual is a value the forward pass saves for the backward pass. `residual`
+    finds them by tracing the function, so everything here is static metadata: no
+    values, only where the residual came from and what it looks like.
+
+    Attributes:
+        index: position of the residual among those of the hooked function (or of the
+            scan body it was produced in), in JAX's own order.
+        shape: the residual's shape, as seen by one iteration for a scan body.
+        dtype: the residual's dtype.
+        primitive: name of the JAX primitive that produced it (`"tanh"`,
+            `"dot_general"`, ...), or `None` when it is an input of the hooked function.
+        source: `"file.py:12 (function)"` of the user code that produced it, or `None`.
+        scope: the region path built from enclosing `jax.named_scope`s, e.g.
+            `"block0/mlp"`; `""` at the top level.
+        name: the `jax.ad_checkpoint.checkpoint_name` tag of the value, if any.
+        is_input: the residual is one of the hooked function's inputs (for a scan body:
+            its carry, per-iteration slice or loop-invariant operand).
+        kept_alive: the value stays alive without this residual (an input of the
+            outermost hooked function, or a scan body's loop-invariant or sliced
+            operand), so packing it adds memory instead of saving it. Built-in policies
+            leave such residuals alone.
+        in_scan: the residual was produced inside a `lax.scan` body and is stored once
+            per iteration.
+    """
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    primitive: str | None = None
+    source: str | None = None
+    scope: str = ""
+    name: str | None = None
+    is_input: bool = False
+    kept_alive: bool = False
+    in_scan: bool = False
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the residual takes unpacked (per iteration inside a scan body)."""
+        return self.size * np.dtype(self.dtype).itemsize
+
+    def describe(self) -> str:
+        """One line naming the residual, used in error messages and notes."""
+        what = "input" if self.primitive is None else f"output of `{self.primitive}`"
+        where = f" at {self.source}" if self.source else ""
+        scope = f" in scope '{self.scope}'" if self.scope else ""
+        name = f" named '{self.name}'" if self.name else ""
+        dims = ", ".join(str(d) for d in self.shape)
+        return (
+            f"residual #{self.index} {np.dtype(self.dtype).name}[{dims}] "
+            f"({what}{where}{scope}{name})"
+        )

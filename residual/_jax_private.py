@@ -1,0 +1,102 @@
+"""Every use of JAX internals in `residual`, in one place.
+
+`residual` needs a few things no public JAX API offers: which kind of differentiation
+is tracing a value, how to re-bind one jaxpr equation with its source information, and
+dead-code elimination of a jaxpr. `tests/test_jax_private.py` exercises each of them,
+so a JAX release that changes them fails loudly there instead of deep in a trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax._src import config as _config
+from jax._src import source_info_util as _source_info
+from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import partial_eval as _pe
+from jax.extend import core as _core
+
+Literal = _core.Literal
+Var = _core.Var
+ClosedJaxpr = _core.ClosedJaxpr
+Jaxpr = _core.Jaxpr
+JaxprEqn = _core.JaxprEqn
+
+
+def differentiation_mode(values: Sequence[Any]) -> str | None:
+    """How the innermost differentiation of `values` works: "forward", "reverse" or None.
+
+    Reverse mode (`grad`, `vjp`, `linearize`) traces with JAX's linearize trace;
+    forward mode (`jvp`, `jacfwd`) with its JVP trace. Other traces (jit, vmap) are
+    looked through.
+    """
+    trace = _core.find_top_trace(list(values))
+    while trace is not None:
+        if isinstance(trace, _ad.LinearizeTrace):
+            return "reverse"
+        if isinstance(trace, _ad.JVPTrace):
+            # Without direct linearization, reverse mode also starts with a JVP trace.
+            return "forward" if _config.use_direct_linearize.value else "reverse"
+        trace = getattr(trace, "parent_trace", None)
+    return None
+
+
+def bind_equation(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """Binds one equation again, keeping its name stack and source line."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    with (
+        _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack),
+        eqn.ctx.manager,
+    ):
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def name_stack_context(eqn: JaxprEqn):
+    """A context that makes new equations carry `eqn`'s name stack and source line."""
+    name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    return _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
+def scope_names(eqn: JaxprEqn) -> list[str]:
+    """The `jax.named_scope` names around an equation, outermost first."""
+    return [
+        entry.name
+        for entry in eqn.source_info.name_stack.stack
+        if isinstance(entry, _source_info.Scope)
+    ]
+
+
+def user_source(eqn: JaxprEqn) -> str | None:
+    """`"file.py:12 (function)"` of the user code that produced `eqn`, if known."""
+    frame = _source_info.user_frame(eqn.source_info.traceback)
+    if frame is None:
+        return None
+    file_name = frame.file_name.rsplit("/", 1)[-1]
+    return f"{file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def dce(jaxpr: Jaxpr, used_outputs: Sequence[bool]) -> tuple[Jaxpr, list[bool]]:
+    """Dead-code elimination: the slice of `jaxpr` that computes `used_outputs`."""
+    return _pe.dce_jaxpr(jaxpr, list(used_outputs))
+
+
+def jaxpr_as_fun(closed: ClosedJaxpr):
+    return _core.jaxpr_as_fun(closed)
+
+
+def is_extended_dtype(dtype: Any) -> bool:
+    """PRNG key data and other extended dtypes, which hooks never see."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+def current_scope_names() -> tuple[str, ...]:
+    """The `jax.named_scope` names active where the caller is being traced."""
+    return tuple(
+        entry.name
+        for entry in _source_info.current_name_stack().stack
+        if isinstance(entry, _source_info.Scope)
+    )

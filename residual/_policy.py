@@ -1,0 +1,105 @@
+"""`Policy`: the base of policy values, and the adaptor that turns plain hooks into one."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+
+from ._info import ResidualInfo
+
+
+class Policy:
+    """Base for policy values: `pack(x, info)` in the forward, `unpack(packed, info)` in the backward.
+
+    A policy decides, per residual, how it is stored between the forward and the
+    backward pass. Subclasses are frozen dataclasses (immutable and hashable, since a
+    policy takes part in `jax.jit`'s cache key through the hook scope stack), check
+    their arguments in `__post_init__`, and implement:
+
+    - `pack(x, info)`: called once per residual when the forward is traced; returns
+      any pytree of arrays and static Python values.
+    - `unpack(packed, info)`: called when the backward is traced; returns an array of
+      `info.shape` and `info.dtype`.
+    - `resolve(info)` (optional): the policy that handles this residual, or `None` to
+      store it as it is. Composite policies (`select`, `Chain`) use it to dispatch.
+
+    Attributes:
+        lossless: whether `unpack(pack(x))` always equals `x` bit for bit.
+
+    Examples:
+        >>> import dataclasses, jax.numpy as jnp, residual
+        >>> @dataclasses.dataclass(frozen=True)
+        ... class Half(residual.Policy):
+        ...     def pack(self, x, info):
+        ...         return x.astype(jnp.float16)
+        ...     def unpack(self, packed, info):
+        ...         return packed.astype(info.dtype)
+        >>> g = residual.with_hooks(lambda x: jnp.sum(jnp.sin(x)), policy=Half())
+    """
+
+    lossless: bool = False
+
+    def pack(self, x: jnp.ndarray, info: ResidualInfo) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement `pack(x, info)`.")
+
+    def unpack(self, packed: Any, info: ResidualInfo) -> jnp.ndarray:
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement `unpack(packed, info)`."
+        )
+
+    def resolve(self, info: ResidualInfo) -> Policy | None:
+        """The policy that packs this residual, or `None` to store it unchanged."""
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionHooks(Policy):
+    """Plain PyTorch-style hooks, `pack(x)` and `unpack(packed)`, seen as a policy.
+
+    As in PyTorch, they see every residual that is a numeric array, inputs included.
+    """
+
+    pack_fn: Callable[[Any], Any]
+    unpack_fn: Callable[[Any], Any]
+
+    def pack(self, x, info):
+        return self.pack_fn(x)
+
+    def unpack(self, packed, info):
+        return self.unpack_fn(packed)
+
+
+def as_policy(pack: Any, unpack: Any, policy: Any, *, caller: str) -> Policy | None:
+    """Checks a `pack`/`unpack`/`policy` triple and returns the one policy it means."""
+    if policy is not None:
+        if pack is not None or unpack is not None:
+            raise TypeError(
+                f"`{caller}` takes either `pack` and `unpack` or `policy`, not both; "
+                f"got pack={pack!r}, unpack={unpack!r} and policy={policy!r}. "
+                "Wrap the functions in a `residual.Policy` subclass or pass only them."
+            )
+        if not isinstance(policy, Policy):
+            raise TypeError(
+                f"`policy` must be a `residual.Policy` (e.g. `residual.policies."
+                f"Quantize(bits=8)`), but got {type(policy).__name__}: {policy!r}."
+            )
+        return policy
+    if pack is None and unpack is None:
+        return None
+    if pack is None or unpack is None:
+        given, missing = ("pack", "unpack") if unpack is None else ("unpack", "pack")
+        raise TypeError(
+            f"`{caller}` got `{given}` without `{missing}`: the two hooks come as a "
+            f"pair. Pass `{missing}` too (the identity `lambda x: x` if it has "
+            "nothing to do)."
+        )
+    for label, fn in (("pack", pack), ("unpack", unpack)):
+        if not callable(fn):
+            raise TypeError(
+                f"`{label}` must be callable, but got {type(fn).__name__}: {fn!r}. "
+                f"Pass a function such as `lambda x: x`."
+            )
+    return FunctionHooks(pack, unpack)

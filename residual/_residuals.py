@@ -1,0 +1,191 @@
+"""Finding the residuals of a function and where each one came from.
+
+`trace_residuals` traces `jax.vjp` of a function to a jaxpr. JAX's `VJP` object is a
+pytree whose leaves are the residuals, so they are the trailing outputs of that jaxpr;
+following each back to the equation that produced it (through inner `jit`s, scan
+bodies, `cond` branches and `checkpoint`s) gives its metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _jax_private as jp
+from ._info import ResidualInfo
+from ._scope import is_marker, policy_of_marker
+
+# The `checkpoint_name` given to packed arrays: an enclosing `with_hooks` skips them,
+# so hooks never pack already-packed data twice.
+PACKED_NAME = "residual.packed"
+
+
+@dataclasses.dataclass(frozen=True)
+class InputKind:
+    """How an input of a hooked function lives: whether packing it could save memory."""
+
+    kept_alive: bool
+
+
+KEPT = InputKind(kept_alive=True)
+PER_ITERATION = InputKind(kept_alive=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """One residual: its public metadata plus what the transform needs to hook it."""
+
+    info: ResidualInfo
+    markers: tuple[Any, ...]  # scope-stack entries of the regions around it, outermost first
+    hookable: bool  # a numeric array, neither a literal nor already packed
+    input_index: int | None  # which input it is, when it is one
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """`jax.vjp` of a function as one jaxpr: inputs -> outputs + residuals."""
+
+    closed: jp.ClosedJaxpr
+    num_outputs: int
+    vjp_treedef: Any
+    residuals: tuple[Residual, ...]
+
+
+def trace_residuals(
+    fun: Callable[..., Sequence[Any]],
+    inputs: Sequence[Any],
+    input_kinds: Sequence[InputKind],
+    *,
+    scope_prefix: Sequence[str] = (),
+    in_scan: bool = False,
+) -> Analysis:
+    """Traces `jax.vjp(fun, *inputs)` and describes every residual it saves."""
+    box = {}
+
+    def forward_and_residuals(*xs):
+        outs, vjp = jax.vjp(fun, *xs)
+        leaves, box["treedef"] = jax.tree.flatten(vjp)
+        box["num_outputs"] = len(outs)
+        return [*outs, *leaves]
+
+    closed = jax.make_jaxpr(forward_and_residuals)(*inputs)
+    n_out = box["num_outputs"]
+    jaxpr = closed.jaxpr
+    producers = _producers(jaxpr)
+    inputs_at = {v: i for i, v in enumerate(jaxpr.invars)}
+    residuals = []
+    for index, var in enumerate(jaxpr.outvars[n_out:]):
+        origin = _Origin(scopes=list(scope_prefix), in_scan=in_scan)
+        _follow(var, producers, inputs_at, origin)
+        residuals.append(_describe(index, var, origin, input_kinds))
+    return Analysis(closed, n_out, box["treedef"], tuple(residuals))
+
+
+@dataclasses.dataclass
+class _Origin:
+    scopes: list[str]
+    in_scan: bool
+    eqn: Any = None
+    primitive: str | None = None
+    name: str | None = None
+    packed: bool = False
+    literal: bool = False
+    input_index: int | None = None
+
+
+def _describe(index: int, var: Any, origin: _Origin, kinds: Sequence[InputKind]):
+    aval = var.aval
+    dtype = getattr(aval, "dtype", None)
+    shape = tuple(getattr(aval, "shape", ()))
+    numeric = dtype is not None and not jp.is_extended_dtype(dtype)
+    numeric = numeric and dtype != jax.dtypes.float0
+    is_input = origin.input_index is not None
+    info = ResidualInfo(
+        index=index,
+        shape=shape,
+        dtype=np.dtype(dtype) if numeric else dtype,
+        primitive=origin.primitive,
+        source=jp.user_source(origin.eqn) if origin.eqn is not None else None,
+        scope="/".join(s for s in origin.scopes if not is_marker(s)),
+        name=origin.name,
+        is_input=is_input,
+        kept_alive=is_input and kinds[origin.input_index].kept_alive,
+        in_scan=origin.in_scan,
+    )
+    markers = tuple(policy_of_marker(s) for s in origin.scopes if is_marker(s))
+    hookable = numeric and not origin.literal and not origin.packed
+    return Residual(info, markers, hookable, origin.input_index)
+
+
+def _producers(jaxpr: jp.Jaxpr) -> dict[Any, tuple[Any, int]]:
+    return {v: (eqn, k) for eqn in jaxpr.eqns for k, v in enumerate(eqn.outvars)}
+
+
+def _follow(var, producers, inputs_at, origin: _Origin) -> None:
+    """Walks back from `var` to the equation that really produced it."""
+    if isinstance(var, jp.Literal):
+        origin.literal = True
+        return
+    if var in inputs_at:
+        origin.input_index = inputs_at[var]
+        return
+    if var not in producers:  # a constant of the traced function
+        origin.literal = True
+        return
+    eqn, k = producers[var]
+    origin.scopes.extend(jp.scope_names(eqn))
+    name = eqn.primitive.name
+    if name == "name":  # `checkpoint_name`: note the tag, look through it
+        if eqn.params["name"] == PACKED_NAME:
+            origin.packed = True
+            return
+        origin.name = origin.name or eqn.params["name"]
+        _follow(eqn.invars[0], producers, inputs_at, origin)
+        return
+    inner = _inner_jaxpr(eqn, k)
+    if inner is not None:
+        jaxpr, operands, out_index, in_scan = inner
+        inner_origin = _Origin(scopes=[], in_scan=origin.in_scan or in_scan)
+        inner_inputs = {v: i for i, v in enumerate(jaxpr.invars)}
+        _follow(jaxpr.outvars[out_index], _producers(jaxpr), inner_inputs, inner_origin)
+        forwarded = inner_origin.input_index
+        if forwarded is not None and operands[forwarded] is not None:
+            # The body forwards one of its operands: keep walking outside.
+            _follow(operands[forwarded], producers, inputs_at, origin)
+            return
+        if inner_origin.eqn is not None or inner_origin.packed or inner_origin.literal:
+            origin.scopes.extend(inner_origin.scopes)
+            for field in ("eqn", "primitive", "packed", "literal", "in_scan"):
+                setattr(origin, field, getattr(inner_origin, field))
+            origin.name = origin.name or inner_origin.name
+            return
+    origin.eqn = eqn
+    origin.primitive = name
+
+
+def _inner_jaxpr(eqn, out_index: int):
+    """(jaxpr, operands or None, output index, is a scan body) of a call-like equation."""
+    params = eqn.params
+    name = eqn.primitive.name
+    if name == "scan":
+        # A forwarded loop-invariant operand or xs slice is (a stack of) the scan's
+        # operand; a forwarded carry is not.
+        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        operands = [
+            None if n_consts <= i < n_consts + n_carry else v
+            for i, v in enumerate(eqn.invars)
+        ]
+        return params["jaxpr"].jaxpr, operands, out_index, True
+    if name == "cond":
+        return params["branches"][0].jaxpr, eqn.invars[1:], out_index, False
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        sub = params.get(key)
+        if sub is not None:
+            sub = getattr(sub, "jaxpr", sub)
+            if hasattr(sub, "eqns") and len(sub.invars) == len(eqn.invars):
+                return sub, eqn.invars, out_index, False
+    return None

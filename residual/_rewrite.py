@@ -1,0 +1,160 @@
+"""Re-evaluating a jaxpr so that every `lax.scan` body gets hooks of its own.
+
+Hooks applied around a whole function see the residuals of a scan only after the
+loop, stacked in their original dtype: packing them there would *add* memory. So
+`interpret` evaluates the function's jaxpr equation by equation and rebuilds each
+scan with a body that is itself a `hooked_call`: its residuals are packed inside the
+body, once per iteration, and the loop stacks the packed form. Inner `jit`s are
+inlined, and `cond` branches and `checkpoint` regions rebuilt, to reach the scans
+inside them; every other equation is bound again as it was, with its source line
+and name scopes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax import lax
+
+from . import _jax_private as jp
+from ._hooked_call import hooked_call
+from ._policy import Policy
+from ._residuals import KEPT, PER_ITERATION
+from ._scope import is_marker, policy_of_marker, resolve_entry
+
+
+def interpret(
+    jaxpr: jp.Jaxpr, consts: Sequence[Any], args: Sequence[Any], base: Policy | None,
+    scopes: tuple[str, ...] = (),
+) -> list[Any]:
+    """Evaluates `jaxpr`, rebuilding scans with hooked bodies.
+
+    `base` is the policy for residuals outside any hooks region and `scopes` the name
+    scopes around `jaxpr` (used to resolve the regions a scan sits in).
+    """
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        return v.val if isinstance(v, jp.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        rule = _RULES.get(eqn.primitive.name)
+        if rule is not None and contains_scan(eqn):
+            eqn_scopes = (*scopes, *jp.scope_names(eqn))
+            with jp.name_stack_context(eqn):
+                outs = rule(eqn, invals, base, eqn_scopes)
+        else:
+            outs = jp.bind_equation(eqn, invals)
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def contains_scan(eqn_or_jaxpr) -> bool:
+    """Whether a scan is reachable through the sub-jaxprs of an equation or jaxpr."""
+    eqns = getattr(eqn_or_jaxpr, "eqns", None)
+    if eqns is not None:
+        return any(contains_scan(e) for e in eqns)
+    eqn = eqn_or_jaxpr
+    if eqn.primitive.name == "scan":
+        return True
+    return any(contains_scan(sub) for sub in _sub_jaxprs(eqn))
+
+
+def has_markers(jaxpr: jp.Jaxpr) -> bool:
+    """Whether any equation sits inside a `saved_tensors_hooks` region."""
+    for eqn in jaxpr.eqns:
+        if any(is_marker(s) for s in jp.scope_names(eqn)):
+            return True
+        if any(has_markers(sub) for sub in _sub_jaxprs(eqn)):
+            return True
+    return False
+
+
+def _sub_jaxprs(eqn) -> list[jp.Jaxpr]:
+    subs = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, jp.ClosedJaxpr):
+                subs.append(item.jaxpr)
+            elif isinstance(item, jp.Jaxpr):
+                subs.append(item)
+    return subs
+
+
+def _region_policy(scopes: Sequence[str], base: Policy | None) -> Policy | None:
+    markers = [policy_of_marker(s) for s in scopes if is_marker(s)]
+    return resolve_entry(markers[-1]) if markers else base
+
+
+def _scan(eqn, invals, base, scopes):
+    params = eqn.params
+    body: jp.ClosedJaxpr = params["jaxpr"]
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    consts = invals[:n_consts]
+    init = invals[n_consts : n_consts + n_carry]
+    xs = invals[n_consts + n_carry :]
+    kinds = [KEPT] * n_consts + [PER_ITERATION] * n_carry + [KEPT] * len(xs)
+    body_base = _region_policy(scopes, base)
+    plain_scopes = tuple(s for s in scopes if not is_marker(s))
+
+    def body_fun(*flat):
+        return interpret(body.jaxpr, body.consts, flat, body_base)
+
+    def step(carry, x):
+        outs = hooked_call(
+            body_fun, [*consts, *carry, *x], kinds, body_base,
+            scope_prefix=plain_scopes, in_scan=True,
+        )
+        return outs[:n_carry], outs[n_carry:]
+
+    carry, ys = lax.scan(
+        step, list(init), list(xs), length=params["length"],
+        reverse=params["reverse"], unroll=params["unroll"],
+    )
+    return [*carry, *ys]
+
+
+def _inline_call(eqn, invals, base, scopes):
+    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    jaxpr, consts = (closed.jaxpr, closed.consts) if hasattr(closed, "consts") else (closed, ())
+    return interpret(jaxpr, consts, invals, base, scopes)
+
+
+def _cond(eqn, invals, base, scopes):
+    index, *operands = invals
+    branches = [
+        functools.partial(_run_branch, branch, base, scopes)
+        for branch in eqn.params["branches"]
+    ]
+    return lax.switch(index, branches, *operands)
+
+
+def _run_branch(branch: jp.ClosedJaxpr, base, scopes, *operands):
+    return interpret(branch.jaxpr, branch.consts, operands, base, scopes)
+
+
+def _checkpoint(eqn, invals, base, scopes):
+    params = eqn.params
+    region = functools.partial(interpret, params["jaxpr"], (), base=base, scopes=scopes)
+    wrapped = jax.checkpoint(
+        lambda *a: region(a), prevent_cse=params["prevent_cse"], policy=params["policy"]
+    )
+    return wrapped(*invals)
+
+
+_RULES = {
+    "scan": _scan,
+    "jit": _inline_call,
+    "pjit": _inline_call,
+    "closed_call": _inline_call,
+    "core_call": _inline_call,
+    "cond": _cond,
+    "remat2": _checkpoint,
+    "checkpoint": _checkpoint,
+}

@@ -1,0 +1,207 @@
+"""The hook scope stack: `saved_tensors_hooks` and `disable_saved_tensors_hooks`.
+
+The stack is an immutable tuple in a `contextvars.ContextVar`, so threads and async
+tasks never see each other's hooks. It is consulted at trace time, in two ways:
+
+- `with_hooks` reads the innermost entry when it traces its function: hooks around a
+  `jax.grad(with_hooks(f))(x)` call apply to all of `f`'s residuals.
+- Entering a scope also enters a `jax.named_scope` whose name is a marker for the
+  entry. JAX records name scopes on every equation, through inner `jit`s, scan bodies
+  and `cond` branches, so a residual produced inside a region of traced code can be
+  matched to the hooks of the innermost region around it.
+
+The stack is mirrored into a `jax.make_user_context` value, which takes part in
+`jax.jit`'s cache key: a jitted function traced under one scope and called under
+another is traced again instead of silently reusing the old hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ._policy import Policy, as_policy
+
+
+@dataclasses.dataclass(frozen=True)
+class _Disabled:
+    message: str
+
+
+_Entry = Policy | _Disabled
+
+_STACK: contextvars.ContextVar[tuple[_Entry, ...]] = contextvars.ContextVar(
+    "residual_saved_tensors_hooks", default=()
+)
+_JIT_KEY = jax.make_user_context(default_value=())
+
+# Marker names in JAX's name stack map to stack entries. Append-only and keyed by
+# value, so it grows with the number of distinct hook pairs, not with scope entries.
+_MARKER_PREFIX = "residual-hooks-"
+_MARKER_RE = re.compile(re.escape(_MARKER_PREFIX) + r"(\d+)$")
+_marker_ids: dict[_Entry, int] = {}
+_marker_entries: list[_Entry] = []
+_marker_lock = threading.Lock()
+
+
+class saved_tensors_hooks:
+    """Context manager: residuals traced inside it are packed and unpacked by these hooks.
+
+    The JAX counterpart of `torch.autograd.graph.saved_tensors_hooks`. Hooks are bound
+    when the forward is traced: a residual uses the hooks of the innermost scope
+    around the code that produced it, and a vjp function made inside a scope keeps
+    using them after it exits. Scopes take effect through `residual.with_hooks`: use
+    them around a call of a hooked function, or inside the function it wraps (inside
+    `jit`, scan bodies and `cond` branches too).
+
+    Args:
+        pack: `pack(x) -> packed`, any pytree of arrays and static Python values.
+        unpack: `unpack(packed) -> array` of `x`'s shape and dtype.
+        policy: a `residual.Policy` instead of `pack`/`unpack`.
+
+    Raises:
+        TypeError: hooks missing, not callable, or given together with `policy`.
+        RuntimeError: entered inside `disable_saved_tensors_hooks` (with its message).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, residual
+        >>> f = residual.with_hooks(lambda x: jnp.sum(jnp.sin(x)))
+        >>> with residual.saved_tensors_hooks(lambda x: x * 4, lambda p: p / 4):
+        ...     g = jax.grad(f)(jnp.arange(3.0))
+    """
+
+    def __init__(
+        self,
+        pack: Callable[[Any], Any] | None = None,
+        unpack: Callable[[Any], Any] | None = None,
+        *,
+        policy: Policy | None = None,
+    ):
+        entry = as_policy(pack, unpack, policy, caller="saved_tensors_hooks")
+        if entry is None:
+            raise TypeError(
+                "`saved_tensors_hooks` needs hooks: pass `pack` and `unpack`, or "
+                "`policy=`. To turn hooks off in a region use "
+                "`residual.disable_saved_tensors_hooks(message)`."
+            )
+        self._entry = entry
+        self._exits: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> saved_tensors_hooks:
+        disabled = _innermost_disabled(_STACK.get())
+        if disabled is not None:
+            raise RuntimeError(disabled.message)
+        self._exits.append(_push(self._entry))
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._exits.pop().close()
+
+
+class disable_saved_tensors_hooks:
+    """Context manager that forbids saved-tensor hooks inside it.
+
+    As `torch.autograd.graph.disable_saved_tensors_hooks`: entering hook scopes inside
+    it, or entering it while hooks are active, raises `RuntimeError(message)`. Nested,
+    the inner message wins. Use it to protect code whose residuals must never be
+    altered.
+
+    Args:
+        error_message: the message of the `RuntimeError` raised on violation.
+
+    Raises:
+        RuntimeError: when hooks are active on entry.
+
+    Examples:
+        >>> import residual
+        >>> with residual.disable_saved_tensors_hooks("no hooks here"):
+        ...     pass
+    """
+
+    def __init__(self, error_message: str):
+        if not isinstance(error_message, str):
+            raise TypeError(
+                f"`error_message` must be a str, got {type(error_message).__name__}."
+            )
+        self._entry = _Disabled(error_message)
+        self._exits: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> disable_saved_tensors_hooks:
+        stack = _STACK.get()
+        if stack and isinstance(stack[-1], Policy):
+            raise RuntimeError(self._entry.message)
+        self._exits.append(_push(self._entry))
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._exits.pop().close()
+
+
+def current_policy() -> Policy | None:
+    """The innermost active hooks, or `None` when there are none or they are disabled."""
+    stack = _STACK.get()
+    return stack[-1] if stack and isinstance(stack[-1], Policy) else None
+
+
+def policy_of_marker(scope_name: str) -> _Entry | None:
+    """The stack entry a name-scope marker stands for, or `None` for an ordinary scope."""
+    match = _MARKER_RE.match(scope_name)
+    return _marker_entries[int(match.group(1))] if match else None
+
+
+def is_marker(scope_name: str) -> bool:
+    return _MARKER_RE.match(scope_name) is not None
+
+
+def resolve_entry(entry: _Entry | None) -> Policy | None:
+    return entry if isinstance(entry, Policy) else None
+
+
+def _push(entry: _Entry) -> contextlib.ExitStack:
+    try:
+        hash(entry)
+    except TypeError as e:
+        raise TypeError(
+            f"Hooks must be hashable (they take part in `jax.jit`'s cache key), but "
+            f"{entry!r} is not: {e}. Make policy fields tuples, not lists or arrays."
+        ) from None
+    old = _STACK.get()
+    new = (*old, entry)
+    exits = contextlib.ExitStack()
+    token = _STACK.set(new)
+    exits.callback(_pop, token, new)
+    exits.enter_context(_JIT_KEY(new))
+    exits.enter_context(jax.named_scope(_marker(entry)))
+    return exits
+
+
+def _pop(token: contextvars.Token, expected: tuple[_Entry, ...]) -> None:
+    if _STACK.get() is not expected:
+        raise RuntimeError(
+            "Hook scopes were exited out of order: the scope being exited is not the "
+            "innermost one. Use `with` blocks so that inner scopes exit first."
+        )
+    _STACK.reset(token)
+
+
+def _marker(entry: _Entry) -> str:
+    with _marker_lock:
+        index = _marker_ids.get(entry)
+        if index is None:
+            index = _marker_ids[entry] = len(_marker_entries)
+            _marker_entries.append(entry)
+    return f"{_MARKER_PREFIX}{index}"
+
+
+def _innermost_disabled(stack: tuple[_Entry, ...]) -> _Disabled | None:
+    for entry in reversed(stack):
+        if isinstance(entry, _Disabled):
+            return entry
+    return None

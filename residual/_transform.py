@@ -1,0 +1,133 @@
+"""`with_hooks`: the function transform that puts saved-tensor hooks on a JAX function."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from . import _jax_private as jp
+from ._hooked_call import hooked_call
+from ._policy import Policy, as_policy
+from ._residuals import KEPT
+from ._rewrite import has_markers, interpret
+from ._scope import current_policy, is_marker, saved_tensors_hooks
+
+
+def with_hooks(
+    f: Callable | None = None,
+    pack: Callable[[Any], Any] | None = None,
+    unpack: Callable[[Any], Any] | None = None,
+    *,
+    policy: Policy | None = None,
+) -> Callable:
+    """Wraps `f` so that every residual its derivative saves goes through `pack`/`unpack`.
+
+    The functional counterpart of PyTorch's `saved_tensors_hooks`. When the wrapped
+    function is differentiated in reverse mode (`jax.grad`, `jax.vjp`,
+    `jax.value_and_grad`, ...), its forward pass applies `pack` to each residual (an
+    activation or other intermediate that the backward pass needs) and stores what
+    `pack` returns; the backward pass calls `unpack` to get the residual back. Use it
+    to quantize, cast, offload or recompute activations, or just to look at them.
+
+    `f` is traced to a jaxpr and its residuals are found with `jax.vjp`, so hooks run
+    at trace time: `pack` once per residual when the forward is traced, `unpack` each
+    time the backward is traced (under `jax.jit`, once per compilation, not per step).
+    Residuals produced inside `lax.scan` bodies are packed inside the body, once per
+    iteration, so the loop stores the packed form.
+
+    Hooks come from, in order of precedence: the innermost
+    `residual.saved_tensors_hooks` region inside `f` around the code that produced the
+    residual; the hooks given here; the innermost `saved_tensors_hooks` active when the
+    wrapped function is traced. With none of them, it behaves exactly like `f`.
+
+    Forward-mode differentiation (`jax.jvp`, `jax.jacfwd`) saves no residuals: the
+    wrapped function then computes exactly what `f` does. Higher-order reverse-mode
+    derivatives treat each `unpack(pack(x))` round trip as the identity for
+    differentiation (its value is still the round trip's), as PyTorch restores the
+    autograd history of an unpacked tensor; value-preserving hooks give exact
+    derivatives of every order.
+
+    Args:
+        f: the function; its arguments and outputs may be any pytrees (equinox
+            Modules included). Non-array leaves are treated as static.
+        pack: `pack(x) -> packed`, any pytree of arrays and static Python values. Plain
+            hooks see every residual that is a numeric array, `f`'s inputs included.
+        unpack: `unpack(packed) -> array`, of the residual's shape and dtype.
+        policy: a `residual.Policy` (which also receives each residual's
+            `ResidualInfo`) instead of `pack`/`unpack`.
+
+    Returns:
+        A function with `f`'s signature. Used as `@with_hooks(policy=p)` or
+        `@with_hooks`, it is a decorator.
+
+    Raises:
+        TypeError: `f` or the hooks are not callable, or `pack` comes without `unpack`,
+            or hooks and `policy` are both given.
+        residual.HookError: (at trace time) `unpack` returned something other than an
+            array of the residual's shape and dtype.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, residual
+        >>> def f(a, b):
+        ...     return jnp.sum(a * b)
+        >>> seen = []
+        >>> g = residual.with_hooks(f, lambda x: seen.append(x.shape) or x, lambda p: p)
+        >>> jax.grad(g)(jnp.ones(3), jnp.arange(3.0))
+        Array([0., 1., 2.], dtype=float32)
+        >>> seen
+        [(3,), (3,)]
+    """
+    if f is None:
+        return functools.partial(with_hooks, pack=pack, unpack=unpack, policy=policy)
+    if not callable(f):
+        raise TypeError(
+            f"`with_hooks` wraps a function, but got {type(f).__name__}: {f!r:.80}. "
+            "Pass the function to differentiate, e.g. `with_hooks(loss_fn, pack, unpack)`."
+        )
+    explicit = as_policy(pack, unpack, policy, caller="with_hooks")
+
+    @functools.wraps(f)
+    def hooked(*args, **kwargs):
+        return _call(f, explicit, args, kwargs)
+
+    return hooked
+
+
+def _call(f: Callable, explicit: Policy | None, args: tuple, kwargs: dict) -> Any:
+    dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
+    leaves, treedef = jax.tree.flatten(dynamic)
+    if jp.differentiation_mode(leaves) == "forward":
+        return f(*args, **kwargs)  # forward mode saves no residuals
+
+    out_parts: dict[str, Any] = {}
+
+    def flat_f(*xs):
+        a, k = eqx.combine(jax.tree.unflatten(treedef, xs), static)
+        out_dynamic, out_parts["static"] = eqx.partition(f(*a, **k), eqx.is_array)
+        out_leaves, out_parts["treedef"] = jax.tree.flatten(out_dynamic)
+        return out_leaves
+
+    scope = saved_tensors_hooks(policy=explicit) if explicit else contextlib.nullcontext()
+    with scope:
+        closed = jax.make_jaxpr(flat_f)(*leaves)
+    base = explicit if explicit is not None else current_policy()
+    # Constants `f` closes over become inputs, so they get gradients too.
+    inputs = [*closed.consts, *leaves]
+    n_consts = len(closed.consts)
+
+    if base is None and not has_markers(closed.jaxpr):
+        outs = jp.jaxpr_as_fun(closed)(*leaves)
+    else:
+        def fun(*xs):
+            return interpret(closed.jaxpr, xs[:n_consts], xs[n_consts:], base)
+
+        # Scopes around the call name the residuals; hooks around it are `base`.
+        prefix = tuple(s for s in jp.current_scope_names() if not is_marker(s))
+        outs = hooked_call(fun, inputs, [KEPT] * len(inputs), base, scope_prefix=prefix)
+    out = jax.tree.unflatten(out_parts["treedef"], outs)
+    return eqx.combine(out, out_parts["static"])

@@ -1,0 +1,85 @@
+"""Shared test helpers: tolerances per dtype, tree comparisons, small models."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+TOLERANCES = {
+    jnp.dtype(jnp.float64): 1e-12,
+    jnp.dtype(jnp.float32): 1e-5,
+    jnp.dtype(jnp.bfloat16): 2e-2,
+    jnp.dtype(jnp.float16): 2e-3,
+}
+
+
+def tree_allclose(a, b, *, rtol=None, atol=None) -> bool:
+    """Same structure and all leaves close, with per-dtype default tolerances."""
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        tol = TOLERANCES.get(jnp.dtype(x.dtype), 0.0)
+        r = tol if rtol is None else rtol
+        t = tol if atol is None else atol
+        if not np.allclose(x.astype(np.float64), y.astype(np.float64), rtol=r, atol=t,
+                           equal_nan=True):
+            return False
+    return True
+
+
+def tree_equal(a, b) -> bool:
+    """Bit-for-bit equality of two pytrees of arrays."""
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    return all(
+        np.asarray(x).dtype == np.asarray(y).dtype
+        and np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
+
+
+def relative_error(approx, exact) -> float:
+    """max over leaves of ||approx - exact|| / ||exact||."""
+    errs = [
+        float(jnp.linalg.norm((x - y).ravel()) / (jnp.linalg.norm(y.ravel()) + 1e-30))
+        for x, y in zip(jax.tree.leaves(approx), jax.tree.leaves(exact))
+    ]
+    return max(errs)
+
+
+def scan_mlp(ws, x):
+    """A tanh MLP as a `lax.scan` over stacked layer weights."""
+
+    def layer(h, w):
+        return jnp.tanh(h @ w), None
+
+    h, _ = lax.scan(layer, x, ws)
+    return jnp.sum(h**2)
+
+
+def unrolled_mlp(ws, x):
+    """The same MLP unrolled in a Python loop."""
+    for w in ws:
+        x = jnp.tanh(x @ w)
+    return jnp.sum(x**2)
+
+
+def mlp_params(layers=4, width=16, batch=8, seed=0, dtype=jnp.float32):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    ws = jax.random.normal(k1, (layers, width, width), dtype) / jnp.sqrt(width).astype(dtype)
+    x = jax.random.normal(k2, (batch, width), dtype)
+    return ws, x
+
+
+def temp_bytes(fn, *args) -> int:
+    """Temp memory XLA allocates for the compiled `fn(*args)`."""
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def compiled_text(fn, *args) -> str:
+    return jax.jit(fn).lower(*args).compile().as_text()
