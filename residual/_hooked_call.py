@@ -1,4 +1,4 @@
-"""The custom VJP at the heart of `residual`: pack residuals in the forward, unpack them in the backward.
+"""The custom VJP at the heart of `residual`: pack in the forward, unpack in the backward.
 
 `hooked_call(fun, inputs, ...)` computes `fun(*inputs)` so that, when it is
 differentiated in reverse mode, the forward runs `jax.vjp(fun)` (traced once to a
@@ -21,7 +21,8 @@ from . import _jax_private as jp
 from ._errors import HookError
 from ._info import ResidualInfo
 from ._policy import Policy
-from ._residuals import PACKED_NAME, Analysis, InputKind, Residual, trace_residuals
+from ._record import Record, record
+from ._residuals import OWNED_NAME, Analysis, InputKind, Residual, trace_residuals
 from ._scope import resolve_entry
 
 
@@ -32,13 +33,16 @@ def hooked_call(
     base: Policy | None,
     *,
     scope_prefix: Sequence[str] = (),
-    in_scan: bool = False,
+    iterations: int | None = None,
 ) -> list[Any]:
     """`fun(*inputs)` (a flat list of arrays in, a flat list out), with hooked residuals.
 
     `base` applies to residuals produced outside any `saved_tensors_hooks` region
-    inside `fun`; inside one, the innermost region's hooks apply.
+    inside `fun`; inside one, the innermost region's hooks apply. `iterations` is the
+    number of times the residuals are stored when `fun` is a scan body (the product
+    of the lengths of the scans around it), `None` outside scans.
     """
+    in_scan = iterations is not None
     state: dict[str, Any] = {}
 
     @jax.custom_vjp
@@ -55,30 +59,53 @@ def hooked_call(
         values = jp.jaxpr_as_fun(analysis.closed)(*xs)
         outs, residuals = values[: analysis.num_outputs], values[analysis.num_outputs :]
         plans, stored = [], []
+        stored_inputs: dict[int, int] = {}  # input index -> position in `stored`
         for value, residual in zip(residuals, analysis.residuals):
-            policy = _policy_for(residual, base)
-            if policy is None:
+            if residual.owned_by_inner:
                 plans.append(_Raw(len(stored)))
                 stored.append(value)
+                continue
+            policy = _policy_for(residual, base)
+            if policy is None:
+                plan = _Raw(len(stored))
+                if residual.input_index is not None:
+                    stored_inputs.setdefault(residual.input_index, len(stored))
+                stored.append(value)
             elif getattr(policy, "recompute", False):
-                plans.append(_Recompute())
+                plan = _Recompute()
             elif higher_order:
-                plans.append(_Raw(len(stored)))
+                plan = _Raw(len(stored))
                 stored.append(_round_trip_straight_through(policy, value, residual.info))
             else:
-                plans.append(_pack(policy, value, residual.info, stored))
-        needs_inputs = any(isinstance(p, _Recompute) for p in plans)
-        state.update(analysis=analysis, plans=plans)
-        return outs, (stored, list(xs) if needs_inputs else [])
+                plan = _pack(policy, value, residual.info, stored)
+            plans.append(plan)
+            _tag_owned(plan, residual.info.kept_alive, stored)
+            # A scan body's sliced or loop-invariant operand, stored as it is, is
+            # the scan's operand: the enclosing call sees and reports it.
+            if not (in_scan and residual.info.kept_alive and isinstance(plan, _Raw)):
+                record(Record(residual.info, policy, plan.nbytes(stored, residual.info),
+                              iterations or 1))
+        recompute = None
+        if any(isinstance(p, _Recompute) for p in plans):
+            recompute = _PlannedRecompute(analysis, plans)
+            for i in recompute.needed_inputs:
+                if i not in stored_inputs:
+                    stored_inputs[i] = len(stored)
+                    stored.append(xs[i])
+                    _tag_owned(_Raw(len(stored) - 1), input_kinds[i].kept_alive, stored)
+        state.update(analysis=analysis, plans=plans, recompute=recompute,
+                     stored_inputs=stored_inputs)
+        return outs, stored
 
-    def bwd(saved, cts):
-        stored, inputs = saved
+    def bwd(stored, cts):
         analysis: Analysis = state["analysis"]
-        plans = state["plans"]
-        recomputed = _recompute(analysis, plans, inputs, cts) if inputs else {}
+        plans, recompute = state["plans"], state["recompute"]
+        if recompute is not None:
+            inputs = [stored[state["stored_inputs"][i]] for i in recompute.needed_inputs]
+            recomputed = recompute(inputs, cts)
         residuals = [
-            plan.restore(stored, residual.info) if not isinstance(plan, _Recompute)
-            else recomputed[residual.info.index]
+            recomputed[residual.info.index] if isinstance(plan, _Recompute)
+            else plan.restore(stored, residual.info)
             for plan, residual in zip(plans, analysis.residuals)
         ]
         vjp = jax.tree.unflatten(analysis.vjp_treedef, residuals)
@@ -102,21 +129,40 @@ class _Raw:
     def __init__(self, position: int):
         self.position = position
 
+    def positions_in_stored(self):
+        return [self.position]
+
     def restore(self, stored, info):
         return stored[self.position]
+
+    def nbytes(self, stored, info):
+        return info.nbytes
 
 
 class _Recompute:
     """Not stored: recomputed in the backward from the function's inputs."""
 
+    def positions_in_stored(self):
+        return []
+
+    def nbytes(self, stored, info):
+        return 0
+
 
 class _Packed:
     """Stored as the arrays of `pack`'s result; its static parts stay in Python."""
 
-    def __init__(self, policy, treedef, leaves, positions):
+    def __init__(self, policy, treedef, leaves, positions, unchanged):
         self.policy, self.treedef, self.leaves, self.positions = (
             policy, treedef, leaves, positions
         )
+        self.unchanged = unchanged  # positions holding the residual itself, unchanged
+
+    def positions_in_stored(self):
+        return [position for _, position in self.positions]
+
+    def nbytes(self, stored, info):
+        return sum(stored[p].size * stored[p].dtype.itemsize for p in self.positions_in_stored())
 
     def restore(self, stored, info):
         leaves = list(self.leaves)
@@ -130,16 +176,29 @@ class _Packed:
 def _pack(policy: Policy, value, info: ResidualInfo, stored: list) -> _Packed:
     packed = _call_hook("pack", policy.pack, value, info)
     leaves, treedef = jax.tree.flatten(packed)
-    positions = []
+    positions, unchanged = [], set()
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, (jax.Array, np.ndarray)):
+            if leaf is value:
+                unchanged.add(len(stored))
             positions.append((i, len(stored)))
-            # The tag tells an enclosing `with_hooks` this is packed already. A value
-            # returned as it is stays untagged: the tag would hide from `lax.scan`
-            # that a residual is just its operand, and the scan would copy it.
-            stored.append(leaf if leaf is value else checkpoint_name(jnp.asarray(leaf), PACKED_NAME))
+            stored.append(leaf if leaf is value else jnp.asarray(leaf))
             leaves[i] = None
-    return _Packed(policy, treedef, leaves, positions)
+    return _Packed(policy, treedef, leaves, positions, unchanged)
+
+
+def _tag_owned(plan, kept_alive: bool, stored: list) -> None:
+    """Tags what `plan` stored, so that an enclosing hooked call leaves it alone.
+
+    An operand that stays alive anyway and is stored as it is stays untagged: the tag
+    would hide from `lax.scan` that the residual is just its operand, and the scan
+    would copy it. The enclosing call then sees it as its own value, which it is.
+    """
+    for position in plan.positions_in_stored():
+        value = stored[position]
+        if kept_alive and (isinstance(plan, _Raw) or position in plan.unchanged):
+            continue
+        stored[position] = checkpoint_name(value, OWNED_NAME)
 
 
 def _round_trip_straight_through(policy: Policy, value, info: ResidualInfo):
@@ -166,18 +225,24 @@ def _straight_through_jvp(primals, tangents):
     return primals[1], tangents[0]
 
 
-def _recompute(analysis: Analysis, plans, inputs, cts) -> dict[int, Any]:
-    """Recomputes the residuals marked `_Recompute`: only the slice of the forward they need."""
-    wanted = [isinstance(p, _Recompute) for p in plans]
-    used = [False] * analysis.num_outputs + wanted
-    jaxpr, used_inputs = jp.dce(analysis.closed.jaxpr, used)
-    needed = [x for x, u in zip(inputs, used_inputs) if u]
-    # The barrier ties recomputation to the backward (it needs the cotangents), so
-    # XLA can neither merge it with the forward nor schedule it early.
-    needed, _ = lax.optimization_barrier((needed, list(cts)))
-    values = jp.jaxpr_as_fun(jp.ClosedJaxpr(jaxpr, analysis.closed.consts))(*needed)
-    indices = [i for i, w in enumerate(wanted) if w]
-    return dict(zip(indices, values))
+class _PlannedRecompute:
+    """The slice of the forward that produces the residuals marked `_Recompute`."""
+
+    def __init__(self, analysis: Analysis, plans):
+        wanted = [isinstance(p, _Recompute) for p in plans]
+        used = [False] * analysis.num_outputs + wanted
+        self.jaxpr, used_inputs = jp.dce(analysis.closed.jaxpr, used)
+        self.consts = analysis.closed.consts
+        self.needed_inputs = [i for i, u in enumerate(used_inputs) if u]
+        self.indices = [i for i, w in enumerate(wanted) if w]
+
+    def __call__(self, inputs, cts) -> dict[int, Any]:
+        # The barrier ties recomputation to the backward (it needs the cotangents),
+        # so XLA can neither merge it with the forward nor schedule it early.
+        inputs, _ = lax.optimization_barrier((list(inputs), list(cts)))
+        values = jp.jaxpr_as_fun(jp.ClosedJaxpr(self.jaxpr, self.consts))(*inputs)
+        return dict(zip(self.indices, values))
+
 
 
 def _call_hook(which: str, hook: Callable, value, info: ResidualInfo):

@@ -12,7 +12,7 @@ from ._info import ResidualInfo
 
 
 class Policy:
-    """Base for policy values: `pack(x, info)` in the forward, `unpack(packed, info)` in the backward.
+    """Base for policy values: `pack(x, info)` in the forward, `unpack(packed, info)` after.
 
     A policy decides, per residual, how it is stored between the forward and the
     backward pass. Subclasses are frozen dataclasses (immutable and hashable, since a

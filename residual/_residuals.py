@@ -19,9 +19,9 @@ from . import _jax_private as jp
 from ._info import ResidualInfo
 from ._scope import is_marker, policy_of_marker
 
-# The `checkpoint_name` given to packed arrays: an enclosing `with_hooks` skips them,
-# so hooks never pack already-packed data twice.
-PACKED_NAME = "residual.packed"
+# The `checkpoint_name` given to what a hooked call stores: an enclosing `with_hooks`
+# leaves these residuals to it, so hooks never pack already-packed data twice.
+OWNED_NAME = "residual.owned"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,8 @@ class Residual:
 
     info: ResidualInfo
     markers: tuple[Any, ...]  # scope-stack entries of the regions around it, outermost first
-    hookable: bool  # a numeric array, neither a literal nor already packed
+    hookable: bool  # a numeric array, neither a literal nor owned by an inner call
+    owned_by_inner: bool  # stored by an inner hooked call (a scan body, a nested with_hooks)
     input_index: int | None  # which input it is, when it is one
 
 
@@ -118,7 +119,7 @@ def _describe(index: int, var: Any, origin: _Origin, kinds: Sequence[InputKind])
     )
     markers = tuple(policy_of_marker(s) for s in origin.scopes if is_marker(s))
     hookable = numeric and not origin.literal and not origin.packed
-    return Residual(info, markers, hookable, origin.input_index)
+    return Residual(info, markers, hookable, origin.packed, origin.input_index)
 
 
 def _producers(jaxpr: jp.Jaxpr) -> dict[Any, tuple[Any, int]]:
@@ -140,7 +141,7 @@ def _follow(var, producers, inputs_at, origin: _Origin) -> None:
     origin.scopes.extend(jp.scope_names(eqn))
     name = eqn.primitive.name
     if name == "name":  # `checkpoint_name`: note the tag, look through it
-        if eqn.params["name"] == PACKED_NAME:
+        if eqn.params["name"] == OWNED_NAME:
             origin.packed = True
             return
         origin.name = origin.name or eqn.params["name"]

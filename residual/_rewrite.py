@@ -28,12 +28,13 @@ from ._scope import is_marker, policy_of_marker, resolve_entry
 
 def interpret(
     jaxpr: jp.Jaxpr, consts: Sequence[Any], args: Sequence[Any], base: Policy | None,
-    scopes: tuple[str, ...] = (),
+    scopes: tuple[str, ...] = (), iterations: int | None = None,
 ) -> list[Any]:
     """Evaluates `jaxpr`, rebuilding scans with hooked bodies.
 
-    `base` is the policy for residuals outside any hooks region and `scopes` the name
-    scopes around `jaxpr` (used to resolve the regions a scan sits in).
+    `base` is the policy for residuals outside any hooks region, `scopes` the name
+    scopes around `jaxpr` (used to resolve the regions a scan sits in), and
+    `iterations` the product of the lengths of the scans around it.
     """
     env: dict[Any, Any] = {}
 
@@ -48,7 +49,7 @@ def interpret(
         if rule is not None and contains_scan(eqn):
             eqn_scopes = (*scopes, *jp.scope_names(eqn))
             with jp.name_stack_context(eqn):
-                outs = rule(eqn, invals, base, eqn_scopes)
+                outs = rule(eqn, invals, base, eqn_scopes, iterations)
         else:
             outs = jp.bind_equation(eqn, invals)
         env.update(zip(eqn.outvars, outs))
@@ -92,7 +93,7 @@ def _region_policy(scopes: Sequence[str], base: Policy | None) -> Policy | None:
     return resolve_entry(markers[-1]) if markers else base
 
 
-def _scan(eqn, invals, base, scopes):
+def _scan(eqn, invals, base, scopes, iterations):
     params = eqn.params
     body: jp.ClosedJaxpr = params["jaxpr"]
     n_consts, n_carry = params["num_consts"], params["num_carry"]
@@ -103,13 +104,15 @@ def _scan(eqn, invals, base, scopes):
     body_base = _region_policy(scopes, base)
     plain_scopes = tuple(s for s in scopes if not is_marker(s))
 
+    body_iterations = (iterations or 1) * params["length"]
+
     def body_fun(*flat):
-        return interpret(body.jaxpr, body.consts, flat, body_base)
+        return interpret(body.jaxpr, body.consts, flat, body_base, (), body_iterations)
 
     def step(carry, x):
         outs = hooked_call(
             body_fun, [*consts, *carry, *x], kinds, body_base,
-            scope_prefix=plain_scopes, in_scan=True,
+            scope_prefix=plain_scopes, iterations=body_iterations,
         )
         return outs[:n_carry], outs[n_carry:]
 
@@ -120,28 +123,30 @@ def _scan(eqn, invals, base, scopes):
     return [*carry, *ys]
 
 
-def _inline_call(eqn, invals, base, scopes):
+def _inline_call(eqn, invals, base, scopes, iterations):
     closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     jaxpr, consts = (closed.jaxpr, closed.consts) if hasattr(closed, "consts") else (closed, ())
-    return interpret(jaxpr, consts, invals, base, scopes)
+    return interpret(jaxpr, consts, invals, base, scopes, iterations)
 
 
-def _cond(eqn, invals, base, scopes):
+def _cond(eqn, invals, base, scopes, iterations):
     index, *operands = invals
     branches = [
-        functools.partial(_run_branch, branch, base, scopes)
+        functools.partial(_run_branch, branch, base, scopes, iterations)
         for branch in eqn.params["branches"]
     ]
     return lax.switch(index, branches, *operands)
 
 
-def _run_branch(branch: jp.ClosedJaxpr, base, scopes, *operands):
-    return interpret(branch.jaxpr, branch.consts, operands, base, scopes)
+def _run_branch(branch: jp.ClosedJaxpr, base, scopes, iterations, *operands):
+    return interpret(branch.jaxpr, branch.consts, operands, base, scopes, iterations)
 
 
-def _checkpoint(eqn, invals, base, scopes):
+def _checkpoint(eqn, invals, base, scopes, iterations):
     params = eqn.params
-    region = functools.partial(interpret, params["jaxpr"], (), base=base, scopes=scopes)
+    region = functools.partial(
+        interpret, params["jaxpr"], (), base=base, scopes=scopes, iterations=iterations
+    )
     wrapped = jax.checkpoint(
         lambda *a: region(a), prevent_cse=params["prevent_cse"], policy=params["policy"]
     )
