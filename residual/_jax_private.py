@@ -28,14 +28,15 @@ JaxprEqn = _core.JaxprEqn
 def differentiation_mode(values: Sequence[Any]) -> str | None:
     """How the innermost differentiation of `values` works: "forward", "reverse" or None.
 
-    Reverse mode (`grad`, `vjp`, `linearize`) traces with JAX's linearize trace;
-    forward mode (`jvp`, `jacfwd`) with its JVP trace. Other traces (jit, vmap) are
-    looked through.
+    Reverse mode (`grad`, `vjp`, `jacrev`) traces with JAX's linearize trace, marked
+    `is_vjp`; `jax.linearize` uses the same trace unmarked, and its linear function
+    runs forward, so it counts as forward mode, as do `jvp` and `jacfwd` (JVP trace).
+    Other traces (jit, vmap) are looked through.
     """
     trace = _core.find_top_trace(list(values))
     while trace is not None:
         if isinstance(trace, _ad.LinearizeTrace):
-            return "reverse"
+            return "reverse" if trace.is_vjp else "forward"
         if isinstance(trace, _ad.JVPTrace):
             # Without direct linearization, reverse mode also starts with a JVP trace.
             return "forward" if _config.use_direct_linearize.value else "reverse"

@@ -95,6 +95,7 @@ class _Origin:
     name: str | None = None
     packed: bool = False
     literal: bool = False
+    zeros: bool = False  # a literal broadcast, as `cond` fills in other branches' residuals
     input_index: int | None = None
 
 
@@ -138,7 +139,6 @@ def _follow(var, producers, inputs_at, origin: _Origin) -> None:
         origin.literal = True
         return
     eqn, k = producers[var]
-    origin.scopes.extend(jp.scope_names(eqn))
     name = eqn.primitive.name
     if name == "name":  # `checkpoint_name`: note the tag, look through it
         if eqn.params["name"] == OWNED_NAME:
@@ -147,29 +147,59 @@ def _follow(var, producers, inputs_at, origin: _Origin) -> None:
         origin.name = origin.name or eqn.params["name"]
         _follow(eqn.invars[0], producers, inputs_at, origin)
         return
-    inner = _inner_jaxpr(eqn, k)
-    if inner is not None:
-        jaxpr, operands, out_index, in_scan = inner
+    if name in _LOOK_THROUGH:
+        _follow(eqn.invars[k], producers, inputs_at, origin)
+        return
+    bodies = _inner_jaxprs(eqn, k)
+    filled = 0
+    for jaxpr, operands, out_index, in_scan in bodies:
         inner_origin = _Origin(scopes=[], in_scan=origin.in_scan or in_scan)
         inner_inputs = {v: i for i, v in enumerate(jaxpr.invars)}
         _follow(jaxpr.outvars[out_index], _producers(jaxpr), inner_inputs, inner_origin)
+        if inner_origin.literal or inner_origin.zeros:
+            filled += 1  # a `cond` branch filling in zeros for another branch's residual
+            continue
         forwarded = inner_origin.input_index
         if forwarded is not None and operands[forwarded] is not None:
             # The body forwards one of its operands: keep walking outside.
             _follow(operands[forwarded], producers, inputs_at, origin)
             return
-        if inner_origin.eqn is not None or inner_origin.packed or inner_origin.literal:
-            origin.scopes.extend(inner_origin.scopes)
-            for field in ("eqn", "primitive", "packed", "literal", "in_scan"):
+        if inner_origin.eqn is not None or inner_origin.packed:
+            origin.scopes.extend([*jp.scope_names(eqn), *inner_origin.scopes])
+            for field in ("eqn", "primitive", "packed", "in_scan"):
                 setattr(origin, field, getattr(inner_origin, field))
             origin.name = origin.name or inner_origin.name
             return
+        break
+    if bodies and filled == len(bodies):
+        origin.literal = True
+        return
+    origin.scopes.extend(jp.scope_names(eqn))
     origin.eqn = eqn
     origin.primitive = name
+    origin.zeros = _is_filler(eqn, producers)
 
 
-def _inner_jaxpr(eqn, out_index: int):
-    """(jaxpr, operands or None, output index, is a scan body) of a call-like equation."""
+def _is_filler(eqn, producers) -> bool:
+    """A placeholder `cond` puts where another branch has a residual."""
+    if eqn.primitive.name in _FILLERS:
+        return True
+    if eqn.primitive.name != "broadcast_in_dim":
+        return False
+    operand = eqn.invars[0]
+    return isinstance(operand, jp.Literal) or (
+        operand in producers and producers[operand][0].primitive.name in _FILLERS
+    )
+
+
+_FILLERS = {"empty", "empty2"}
+
+# Identity-like equations JAX inserts between a value and its use as a residual.
+_LOOK_THROUGH = {"reduce_precision", "copy", "copy_p", "optimization_barrier"}
+
+
+def _inner_jaxprs(eqn, out_index: int):
+    """(jaxpr, operands, output index, is a scan body) for each body of a call-like eqn."""
     params = eqn.params
     name = eqn.primitive.name
     if name == "scan":
@@ -180,13 +210,13 @@ def _inner_jaxpr(eqn, out_index: int):
             None if n_consts <= i < n_consts + n_carry else v
             for i, v in enumerate(eqn.invars)
         ]
-        return params["jaxpr"].jaxpr, operands, out_index, True
+        return [(params["jaxpr"].jaxpr, operands, out_index, True)]
     if name == "cond":
-        return params["branches"][0].jaxpr, eqn.invars[1:], out_index, False
+        return [(b.jaxpr, eqn.invars[1:], out_index, False) for b in params["branches"]]
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         sub = params.get(key)
         if sub is not None:
             sub = getattr(sub, "jaxpr", sub)
             if hasattr(sub, "eqns") and len(sub.invars) == len(eqn.invars):
-                return sub, eqn.invars, out_index, False
-    return None
+                return [(sub, list(eqn.invars), out_index, False)]
+    return []
