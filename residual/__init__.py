@@ -8,5 +8,6 @@ from ._policy import Policy as Policy
 from ._scope import disable_saved_tensors_hooks as disable_saved_tensors_hooks
 from ._scope import saved_tensors_hooks as saved_tensors_hooks
 from ._transform import with_hooks as with_hooks
+from .policies.offload import save_on_cpu as save_on_cpu
 
 __version__ = "0.1.0"

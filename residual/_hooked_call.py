@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from . import _jax_private as jp
 from ._errors import HookError
 from ._info import ResidualInfo
-from ._policy import Policy
+from ._policy import FunctionHooks, Policy
 from ._record import Record, record
 from ._residuals import OWNED_NAME, Analysis, InputKind, Residual, trace_residuals
 from ._scope import resolve_entry
@@ -58,15 +58,21 @@ def hooked_call(
         )
         values = jp.jaxpr_as_fun(analysis.closed)(*xs)
         outs, residuals = values[: analysis.num_outputs], values[analysis.num_outputs :]
+        policies = [
+            None if residual.owned_by_inner else _policy_for(residual, base)
+            for residual in analysis.residuals
+        ]
+        derived = _derivable(analysis.residuals, policies) if not higher_order else set()
         plans, stored = [], []
         stored_inputs: dict[int, int] = {}  # input index -> position in `stored`
-        for value, residual in zip(residuals, analysis.residuals):
+        for value, residual, policy in zip(residuals, analysis.residuals, policies):
             if residual.owned_by_inner:
                 plans.append(_Raw(len(stored)))
                 stored.append(value)
                 continue
-            policy = _policy_for(residual, base)
-            if policy is None:
+            if residual.info.index in derived:
+                plan = _Derived(*residual.derivation)
+            elif policy is None:
                 plan = _Raw(len(stored))
                 if residual.input_index is not None:
                     stored_inputs.setdefault(residual.input_index, len(stored))
@@ -100,19 +106,110 @@ def hooked_call(
     def bwd(stored, cts):
         analysis: Analysis = state["analysis"]
         plans, recompute = state["plans"], state["recompute"]
-        if recompute is not None:
-            inputs = [stored[state["stored_inputs"][i]] for i in recompute.needed_inputs]
-            recomputed = recompute(inputs, cts)
-        residuals = [
-            recomputed[residual.info.index] if isinstance(plan, _Recompute)
-            else plan.restore(stored, residual.info)
-            for plan, residual in zip(plans, analysis.residuals)
-        ]
-        vjp = jax.tree.unflatten(analysis.vjp_treedef, residuals)
-        return tuple(vjp(list(cts)))
+        restored: dict[int, Any] = {}
+
+        def restore(i: int, tie):
+            """Residual `i`, restored where the backward first reads it."""
+            if i in restored:
+                return restored[i]
+            plan, info = plans[i], analysis.residuals[i].info
+            if isinstance(plan, _Recompute):
+                inputs = [stored[state["stored_inputs"][j]] for j in recompute.needed_inputs]
+                restored.update(recompute(inputs, cts))
+            elif isinstance(plan, _Derived):
+                restored[i] = plan.restore(lambda j: restore(j, tie))
+            elif isinstance(plan, _Packed):
+                arrays = plan.stored(stored)
+                changed = [k for k, (_, p) in enumerate(plan.positions) if p not in plan.unchanged]
+                for k, array in zip(changed, _after([arrays[k] for k in changed], tie)):
+                    arrays[k] = array
+                restored[i] = plan.restore(arrays, info)
+            else:
+                restored[i] = plan.restore(stored, info)
+            return restored[i]
+
+        return tuple(_run_backward(analysis, restore, list(cts)))
 
     run.defvjp(fwd, bwd)
     return run(*inputs)
+
+
+def _run_backward(analysis: Analysis, restore: Callable, cts: list) -> list:
+    """Runs JAX's backward pass, restoring each residual just before its first use.
+
+    Restoring them all up front would let XLA schedule every `unpack` (a dequantize,
+    a copy back from host) early, so all float residuals would be live at once; tied
+    to the values the backward has computed by then, each one is restored late.
+    """
+    jaxpr = analysis.backward.jaxpr
+    n_res = len(analysis.residuals)
+    lazy = {v: i for i, v in enumerate(jaxpr.invars[:n_res])}
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, analysis.backward.consts))
+    env.update(zip(jaxpr.invars[n_res:], cts))
+
+    def read(v, tie):
+        if isinstance(v, jp.Literal):
+            return v.val
+        if v not in env:
+            env[v] = restore(lazy[v], tie)
+        return env[v]
+
+    for eqn in jaxpr.eqns:
+        known = [env[v] for v in eqn.invars if not isinstance(v, jp.Literal) and v in env]
+        tie = next((x for x in known if x.size and jnp.issubdtype(x.dtype, jnp.inexact)), None)
+        outs = jp.bind_equation(eqn, [read(v, tie) for v in eqn.invars])
+        env.update(zip(eqn.outvars, outs))
+    return [read(v, None) for v in jaxpr.outvars]
+
+
+def _after(arrays: list, tie) -> list:
+    """`arrays`, through a `lax.cond` that XLA can neither fuse across nor run before `tie`.
+
+    Without it XLA fuses `pack` into the backward, computing the packed form there
+    from the float residual, which it then keeps alive: packing would cost memory
+    instead of saving it. `optimization_barrier` does not prevent this on CPU (the
+    pipeline strips barriers before fusion); XLA never fuses across a conditional.
+    The predicate compares a float with itself (no simplifier may fold that, because
+    of NaN): one element of `tie`, a value of the backward computed just before the
+    residual is needed, so the copy, and `unpack` after it, wait for it.
+    """
+    nonempty = [a for a in arrays if a.size]
+    if not nonempty:
+        return arrays
+    # Only when nothing of the backward is at hand does the probe read the packed
+    # data: XLA would compute that element from the float residual, keeping it alive.
+    probe = tie if tie is not None else nonempty[0]
+    first = probe.ravel()[0].astype(jnp.float32)
+    pred = first == first
+    # The branches must differ: JAX inlines a `cond` whose branches are equal.
+    return list(lax.cond(pred, _identity, _copy, arrays))
+
+
+def _identity(x):
+    return x
+
+
+def _copy(arrays):
+    return [jnp.copy(a) for a in arrays]
+
+
+def _derivable(residuals: Sequence[Residual], policies) -> set[int]:
+    """Residuals to derive from others in the backward instead of storing them.
+
+    Only for residuals a lossy policy would pack (plain hooks and lossless policies
+    see every residual, as in PyTorch), and only from residuals that are stored.
+    """
+    candidates = {
+        r.info.index for r, p in zip(residuals, policies)
+        if r.derivation is not None and p is not None and not p.lossless
+        and not isinstance(p, FunctionHooks) and not getattr(p, "recompute", False)
+    }
+    return {
+        i for i in candidates
+        if all(not isinstance(o, int) or (o not in candidates and not residuals[o].owned_by_inner
+                                           and not getattr(policies[o], "recompute", False))
+               for o in residuals[i].derivation[1])
+    }
 
 
 def _policy_for(residual: Residual, base: Policy | None) -> Policy | None:
@@ -149,6 +246,29 @@ class _Recompute:
         return 0
 
 
+class _Derived:
+    """Not stored: a cheap elementwise function of other residuals, recomputed from them.
+
+    JAX's residuals often include both `y` and `1 - y` (tanh's derivative). XLA
+    stores only `y` without hooks, fusing `1 - y` into the backward; packing both
+    would store twice as much as needed. So the backward derives it from the
+    restored `y` instead.
+    """
+
+    def __init__(self, eqn, operands):
+        self.eqn, self.operands = eqn, operands
+
+    def positions_in_stored(self):
+        return []
+
+    def nbytes(self, stored, info):
+        return 0
+
+    def restore(self, residual):
+        values = [residual(o) if isinstance(o, int) else o.value for o in self.operands]
+        return jp.bind_equation(self.eqn, values)[0]
+
+
 class _Packed:
     """Stored as the arrays of `pack`'s result; its static parts stay in Python."""
 
@@ -164,10 +284,14 @@ class _Packed:
     def nbytes(self, stored, info):
         return sum(stored[p].size * stored[p].dtype.itemsize for p in self.positions_in_stored())
 
-    def restore(self, stored, info):
+    def stored(self, stored) -> list:
+        """This residual's arrays among `stored`, in `positions` order."""
+        return [stored[position] for _, position in self.positions]
+
+    def restore(self, arrays, info):
         leaves = list(self.leaves)
-        for leaf_index, position in self.positions:
-            leaves[leaf_index] = stored[position]
+        for (leaf_index, _), array in zip(self.positions, arrays):
+            leaves[leaf_index] = array
         packed = jax.tree.unflatten(self.treedef, leaves)
         value = _call_hook("unpack", self.policy.unpack, packed, info)
         return _checked(value, info)

@@ -101,3 +101,8 @@ def current_scope_names() -> tuple[str, ...]:
         for entry in _source_info.current_name_stack().stack
         if isinstance(entry, _source_info.Scope)
     )
+
+
+def tangent_dtype(dtype):
+    """The dtype of cotangents for values of `dtype` (float0 for integers)."""
+    return _core.primal_dtype_to_tangent_dtype(dtype)

@@ -44,6 +44,9 @@ class Residual:
     hookable: bool  # a numeric array, neither a literal nor owned by an inner call
     owned_by_inner: bool  # stored by an inner hooked call (a scan body, a nested with_hooks)
     input_index: int | None  # which input it is, when it is one
+    # (equation, operands) when it is a cheap elementwise function of other residuals
+    # and literals: operands are residual indices, or literal values.
+    derivation: tuple[Any, tuple[Any, ...]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,7 @@ class Analysis:
     num_outputs: int
     vjp_treedef: Any
     residuals: tuple[Residual, ...]
+    backward: jp.ClosedJaxpr  # (residuals..., cotangents...) -> input cotangents
 
 
 def trace_residuals(
@@ -78,12 +82,67 @@ def trace_residuals(
     jaxpr = closed.jaxpr
     producers = _producers(jaxpr)
     inputs_at = {v: i for i, v in enumerate(jaxpr.invars)}
+    residual_vars = jaxpr.outvars[n_out:]
+    index_of = {}
+    for index, var in enumerate(residual_vars):
+        if not isinstance(var, jp.Literal):
+            index_of.setdefault(var, index)
     residuals = []
-    for index, var in enumerate(jaxpr.outvars[n_out:]):
+    for index, var in enumerate(residual_vars):
         origin = _Origin(scopes=list(scope_prefix), in_scan=in_scan)
         _follow(var, producers, inputs_at, origin)
-        residuals.append(_describe(index, var, origin, input_kinds))
-    return Analysis(closed, n_out, box["treedef"], tuple(residuals))
+        residual = _describe(index, var, origin, input_kinds)
+        derivation = _derivation(var, index, producers, index_of)
+        residuals.append(dataclasses.replace(residual, derivation=derivation))
+    backward = _backward_jaxpr(box["treedef"], residual_vars, jaxpr.outvars[:n_out])
+    return Analysis(closed, n_out, box["treedef"], tuple(residuals), backward)
+
+
+def _backward_jaxpr(treedef, residual_vars, output_vars) -> jp.ClosedJaxpr:
+    """JAX's backward pass as a jaxpr of the residuals and the output cotangents."""
+    n = len(residual_vars)
+
+    def backward(*args):
+        return list(jax.tree.unflatten(treedef, list(args[:n]))(list(args[n:])))
+
+    def spec(aval, tangent=False):
+        dtype = jp.tangent_dtype(aval.dtype) if tangent else aval.dtype
+        return jax.ShapeDtypeStruct(aval.shape, dtype, weak_type=aval.weak_type)
+
+    specs = [spec(v.aval) for v in residual_vars] + [spec(v.aval, True) for v in output_vars]
+    return jax.make_jaxpr(backward)(*specs)
+
+
+# Elementwise equations as cheap to recompute as to read: XLA recomputes them from
+# their operands in the backward instead of storing them, and so does `hooked_call`.
+_CHEAP = {
+    "add", "sub", "mul", "neg", "integer_pow", "square", "abs", "sign", "max", "min",
+    "select_n", "convert_element_type",
+}
+
+
+def _derivation(var, index, producers, index_of):
+    if isinstance(var, jp.Literal) or var not in producers:
+        return None
+    eqn, _ = producers[var]
+    if eqn.primitive.name not in _CHEAP or len(eqn.outvars) != 1:
+        return None
+    operands = []
+    for v in eqn.invars:
+        if isinstance(v, jp.Literal):
+            operands.append(_LiteralOperand(v.val))
+        elif index_of.get(v, index) != index:
+            operands.append(index_of[v])
+        else:
+            return None
+    if not any(isinstance(o, int) for o in operands):
+        return None
+    return eqn, tuple(operands)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LiteralOperand:
+    value: Any
 
 
 @dataclasses.dataclass
@@ -97,6 +156,7 @@ class _Origin:
     literal: bool = False
     zeros: bool = False  # a literal broadcast, as `cond` fills in other branches' residuals
     input_index: int | None = None
+    view_of_input: int | None = None  # a slice or reshape of this input
 
 
 def _describe(index: int, var: Any, origin: _Origin, kinds: Sequence[InputKind]):
@@ -106,6 +166,7 @@ def _describe(index: int, var: Any, origin: _Origin, kinds: Sequence[InputKind])
     numeric = dtype is not None and not jp.is_extended_dtype(dtype)
     numeric = numeric and dtype != jax.dtypes.float0
     is_input = origin.input_index is not None
+    viewed = origin.input_index if is_input else origin.view_of_input
     info = ResidualInfo(
         index=index,
         shape=shape,
@@ -115,7 +176,7 @@ def _describe(index: int, var: Any, origin: _Origin, kinds: Sequence[InputKind])
         scope="/".join(s for s in origin.scopes if not is_marker(s)),
         name=origin.name,
         is_input=is_input,
-        kept_alive=is_input and kinds[origin.input_index].kept_alive,
+        kept_alive=viewed is not None and kinds[viewed].kept_alive,
         in_scan=origin.in_scan,
     )
     markers = tuple(policy_of_marker(s) for s in origin.scopes if is_marker(s))
@@ -177,6 +238,8 @@ def _follow(var, producers, inputs_at, origin: _Origin) -> None:
     origin.scopes.extend(jp.scope_names(eqn))
     origin.eqn = eqn
     origin.primitive = name
+    if name in _VIEWS:
+        origin.view_of_input = _viewed_input(eqn.invars[0], producers, inputs_at)
     origin.zeros = _is_filler(eqn, producers)
 
 
@@ -193,6 +256,20 @@ def _is_filler(eqn, producers) -> bool:
 
 
 _FILLERS = {"empty", "empty2"}
+
+# A slice or reshape of a value that stays alive (`ws[i]` of stacked weights) costs
+# XLA nothing to keep; packing it would add a copy.
+_VIEWS = {"slice", "squeeze", "reshape", "expand_dims", "transpose", "dynamic_slice"}
+
+
+def _viewed_input(var, producers, inputs_at) -> int | None:
+    while not isinstance(var, jp.Literal):
+        if var in inputs_at:
+            return inputs_at[var]
+        if var not in producers or producers[var][0].primitive.name not in _VIEWS:
+            return None
+        var = producers[var][0].invars[0]
+    return None
 
 # Identity-like equations JAX inserts between a value and its use as a residual.
 _LOOK_THROUGH = {"reduce_precision", "copy", "copy_p", "optimization_barrier"}

@@ -1,0 +1,107 @@
+"""`Chain`: apply policies one after another, e.g. quantize then offload."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from .._info import ResidualInfo
+from .._policy import Policy
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Chain(Policy):
+    """Packs with each policy in turn; unpacks in reverse order.
+
+    `Chain(Quantize(bits=8), Offload())` quantizes a residual, then offloads the
+    packed codes and scales to host memory. The first policy's `resolve` decides
+    whether the chain applies to a residual; each later policy sees every array of
+    the previous one's packed form as a residual of its own (same metadata, that
+    array's shape and dtype) and may leave it as it is.
+
+    Args:
+        *policies: two or more `residual.Policy` values.
+
+    Raises:
+        TypeError: an argument is not a `Policy`, or fewer than two are given.
+
+    Examples:
+        >>> from residual import policies as rp
+        >>> rp.Chain(rp.Quantize(bits=8), rp.Offload())
+        Chain(Quantize(bits=8, ...), Offload(memory_kind='pinned_host'))
+    """
+
+    policies: tuple[Policy, ...]
+
+    def __init__(self, *policies: Policy):
+        if len(policies) < 2:
+            raise TypeError(f"`Chain` takes two or more policies, but got {len(policies)}.")
+        for i, policy in enumerate(policies):
+            if not isinstance(policy, Policy):
+                raise TypeError(
+                    f"`Chain` argument {i} must be a `residual.Policy`, but got "
+                    f"{type(policy).__name__}: {policy!r}."
+                )
+        object.__setattr__(self, "policies", tuple(policies))
+
+    def __repr__(self) -> str:
+        return f"Chain({', '.join(map(_short_repr, self.policies))})"
+
+    @property
+    def lossless(self) -> bool:  # type: ignore[override]
+        return all(p.lossless for p in self.policies)
+
+    def resolve(self, info: ResidualInfo) -> Policy | None:
+        return self if self.policies[0].resolve(info) is not None else None
+
+    def pack(self, x, info: ResidualInfo) -> Any:
+        first, *rest = self.policies
+        packed = first.resolve(info).pack(x, info)
+        for level, policy in enumerate(rest):
+            packed = jax.tree.map(lambda a, p=policy, k=level: _apply(p, k, a, info), packed)
+        return packed
+
+    def unpack(self, packed, info: ResidualInfo):
+        first, *rest = self.policies
+        for level in reversed(range(len(rest))):
+            packed = jax.tree.map(
+                _undo, packed, is_leaf=lambda n, k=level: isinstance(n, _Stage) and n.level == k
+            )
+        return first.resolve(info).unpack(packed, info)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+    """One array packed by a later policy of the chain, with what it needs to undo it."""
+
+    packed: Any
+    info: ResidualInfo
+    policy: Policy | None
+    level: int
+
+
+jax.tree_util.register_dataclass(
+    _Stage, data_fields=["packed"], meta_fields=["info", "policy", "level"]
+)
+
+
+def _apply(policy: Policy, level: int, array, info: ResidualInfo):
+    if not hasattr(array, "shape"):
+        return array
+    array_info = dataclasses.replace(info, shape=tuple(array.shape), dtype=array.dtype)
+    chosen = policy.resolve(array_info)
+    packed = array if chosen is None else chosen.pack(array, array_info)
+    return _Stage(packed, array_info, chosen, level)
+
+
+def _undo(stage):
+    if not isinstance(stage, _Stage):
+        return stage
+    return stage.packed if stage.policy is None else stage.policy.unpack(stage.packed, stage.info)
+
+
+def _short_repr(policy: Policy) -> str:
+    text = repr(policy)
+    return text if len(text) < 40 else text.split(",")[0] + ", ...)"

@@ -1,0 +1,95 @@
+"""`Offload`: keep residuals in host memory between the forward and the backward."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+
+from .._info import ResidualInfo
+from .._policy import Policy
+from .._scope import saved_tensors_hooks
+
+_HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload(Policy):
+    """Moves residuals to host memory in the forward and back to the device in the backward.
+
+    Uses JAX memory kinds inside `jit` (as JAX's own
+    `save_and_offload_only_these_names` does): XLA schedules the copies, overlapping
+    them with compute where it can. Values are unchanged. On the CPU backend host and
+    device memory are the same, so this changes nothing there: memory savings from
+    offloading are only measured on a GPU. Residuals kept alive anyway (weights) stay
+    where they are.
+
+    Args:
+        memory_kind: `"pinned_host"` (default; fast DMA) or `"unpinned_host"` (pageable
+            memory; single-device programs only).
+
+    Raises:
+        ValueError: `memory_kind` is not a host kind the default device has.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, residual
+        >>> from residual import policies as rp
+        >>> f = residual.with_hooks(lambda x: jnp.sum(jnp.sin(x)), policy=rp.Offload())
+        >>> jax.grad(f)(jnp.zeros(2))
+        Array([1., 1.], dtype=float32)
+    """
+
+    memory_kind: str = "pinned_host"
+    lossless = True
+
+    def __post_init__(self):
+        available = [m.kind for m in jax.devices()[0].addressable_memories()]
+        if self.memory_kind not in _HOST_KINDS or self.memory_kind not in available:
+            hosts = [k for k in available if k in _HOST_KINDS]
+            raise ValueError(
+                f"`memory_kind` must be a host memory of the device; "
+                f"{jax.devices()[0].device_kind} has {available}, so one of {hosts}, "
+                f"but got {self.memory_kind!r}."
+            )
+
+    def resolve(self, info: ResidualInfo) -> Policy | None:
+        return self if not info.kept_alive else None
+
+    def pack(self, x: jnp.ndarray, info: ResidualInfo) -> jnp.ndarray:
+        return jax.device_put(x, self._host())
+
+    def unpack(self, packed: jnp.ndarray, info: ResidualInfo) -> jnp.ndarray:
+        return jax.device_put(packed, jax.memory.Space.Device)
+
+    def _host(self):
+        if self.memory_kind == "pinned_host":
+            return jax.memory.Space.Host
+        return SingleDeviceSharding(jax.devices()[0], memory_kind=self.memory_kind)
+
+
+def save_on_cpu(pin_memory: bool = False) -> saved_tensors_hooks:
+    """Context manager: residuals traced inside it are kept in host memory.
+
+    The counterpart of `torch.autograd.graph.save_on_cpu`: a `saved_tensors_hooks`
+    scope with the `Offload` policy, `"pinned_host"` memory when `pin_memory` is
+    true, `"unpinned_host"` otherwise.
+
+    Args:
+        pin_memory: use page-locked host memory (faster copies).
+
+    Returns:
+        A `saved_tensors_hooks` context manager.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, residual
+        >>> f = residual.with_hooks(lambda x: jnp.sum(jnp.sin(x)))
+        >>> with residual.save_on_cpu(pin_memory=True):
+        ...     g = jax.grad(f)(jnp.zeros(2))
+    """
+    return saved_tensors_hooks(
+        policy=Offload("pinned_host" if pin_memory else "unpinned_host")
+    )
+
+

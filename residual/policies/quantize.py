@@ -1,0 +1,185 @@
+"""`Quantize`: store residuals as 8-, 4- or 2-bit integer codes, or fp8, with per-group scales."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._info import ResidualInfo
+from .._policy import Policy
+from ._defaults import worth_packing
+
+_FP8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+_FORMATS = ("int", *_FP8)
+_BITS = (8, 4, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantize(Policy):
+    """Stores floating-point residuals as low-bit codes with one absmax scale per group.
+
+    Each residual is cut into groups of `group_size` consecutive elements along its
+    last axis (one group for the whole tensor when the last axis is not a multiple of
+    `group_size`). With `format="int"`, a group with largest finite magnitude $m$ is
+    stored as codes $q = \\mathrm{round}(x / s)$, $s = m / (2^{b-1} - 1)$, packed into
+    `uint8`: one code per byte for `bits=8`, two for 4, four for 2. With an fp8
+    `format`, $x / s$ is stored in JAX's float8 dtype, $s = m / \\max_\\text{fp8}$.
+
+    - Memory per element, float32 residual, group 64, float32 scales: int8 1.06 B
+      (0.27x), int4 0.56 B (0.14x), 2-bit 0.31 B (0.08x), fp8 1.06 B.
+    - Non-finite values: scales only look at finite values, so a NaN or Inf never
+      changes any finite value, in its group or another. Integer formats reserve
+      code 0 for them and give them back as NaN (an Inf comes back as NaN too: the
+      gradient still shows the divergence at the same position). fp8 keeps them as
+      the fp8 dtype does (`e5m2` keeps Inf; `e4m3` has no Inf and gives NaN).
+    - `stochastic=True` (integer formats) rounds up with probability equal to the
+      fractional part, so the dequantized value is unbiased. Its random key comes
+      from `seed`, the residual's index and a cheap hash of the residual's bits: the
+      same inputs give the same draws (reproducible), new activations give new draws
+      (it varies from step to step), and nobody threads keys through the model.
+
+    Built-in defaults: only floating-point residuals that are not kept alive anyway
+    (`ResidualInfo.kept_alive`: weights, loop-invariant operands) are quantized.
+
+    Args:
+        bits: 8, 4 or 2 for `format="int"`; 8 for fp8.
+        format: `"int"`, `"fp8_e4m3"` or `"fp8_e5m2"`.
+        group_size: elements per scale along the last axis (default 64).
+        stochastic: unbiased stochastic rounding instead of round-to-nearest.
+        scale_dtype: `jnp.float32` or `jnp.bfloat16`.
+        seed: base seed of stochastic rounding.
+
+    Raises:
+        ValueError: an unsupported `bits`, `format`, `group_size` or `scale_dtype`.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, residual
+        >>> from residual import policies as rp
+        >>> f = residual.with_hooks(lambda x: jnp.sum(jnp.tanh(x) ** 2), policy=rp.Quantize(bits=8))
+        >>> g = jax.grad(f)(jnp.linspace(-1, 1, 128))
+
+    References:
+        Chen et al., "ActNN: Reducing Training Memory Footprint via 2-Bit Activation
+        Compressed Training", ICML 2021. Liu et al., "GACT: Activation Compressed
+        Training for Generic Network Architectures", ICML 2022.
+    """
+
+    bits: int = 8
+    format: str = "int"
+    group_size: int = 64
+    stochastic: bool = False
+    scale_dtype: Any = jnp.float32
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.format not in _FORMATS:
+            raise ValueError(
+                f"`format` must be one of {_FORMATS}, but got {self.format!r}."
+            )
+        if self.format == "int" and self.bits not in _BITS:
+            raise ValueError(
+                f"`bits` must be one of {_BITS} for integer codes, but got {self.bits!r}. "
+                "Codes are packed into bytes, so the width must divide 8."
+            )
+        if self.format != "int" and self.bits != 8:
+            raise ValueError(
+                f"`format={self.format!r}` stores 8 bits per element, but got bits="
+                f"{self.bits!r}. Use `bits=8`, or `format='int'` for 4 or 2 bits."
+            )
+        if self.format != "int" and self.stochastic:
+            raise ValueError(
+                "`stochastic=True` is implemented for `format='int'`; fp8 rounds to nearest."
+            )
+        if not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(
+                f"`group_size` must be a positive int, but got {self.group_size!r}."
+            )
+        scale = np.dtype(self.scale_dtype)
+        if scale not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
+            raise ValueError(
+                f"`scale_dtype` must be jnp.float32 or jnp.bfloat16, but got {self.scale_dtype!r}."
+            )
+        object.__setattr__(self, "scale_dtype", scale)
+
+    def resolve(self, info: ResidualInfo) -> Policy | None:
+        return self if worth_packing(info) else None
+
+    def pack(self, x: jnp.ndarray, info: ResidualInfo) -> dict[str, jnp.ndarray]:
+        groups = _grouped(x.astype(jnp.float32), self.group_size)
+        finite = jnp.isfinite(groups)
+        absmax = jnp.max(jnp.where(finite, jnp.abs(groups), 0.0), axis=1, initial=0.0)
+        if self.format == "int":
+            top = 2 ** (self.bits - 1) - 1
+        else:
+            top = float(jnp.finfo(_FP8[self.format]).max)
+        # Quantize with the scale as stored, so unpack sees exactly what pack used.
+        scale = (absmax / top).astype(self.scale_dtype)
+        safe = jnp.where(scale > 0, scale.astype(jnp.float32), 1.0)[:, None]
+        scaled = groups / safe
+        if self.format != "int":
+            return {"codes": scaled.astype(_FP8[self.format]), "scale": scale}
+        if self.stochastic:
+            noise = jax.random.uniform(_key(self.seed, info.index, x), scaled.shape)
+            rounded = jnp.floor(scaled + noise)
+        else:
+            rounded = jnp.round(scaled)
+        codes = jnp.clip(rounded, -top, top) + 2 ** (self.bits - 1)
+        codes = jnp.where(finite, codes, 0).astype(jnp.uint8)  # 0: non-finite
+        return {"codes": _pack_codes(codes.ravel(), self.bits), "scale": scale}
+
+    def unpack(self, packed: dict[str, jnp.ndarray], info: ResidualInfo) -> jnp.ndarray:
+        scale = packed["scale"].astype(jnp.float32)[:, None]
+        n_groups = scale.shape[0]
+        if self.format != "int":
+            values = packed["codes"].astype(jnp.float32) * scale
+        else:
+            codes = _unpack_codes(packed["codes"], self.bits, info.size)
+            codes = codes.reshape(n_groups, -1)
+            values = (codes.astype(jnp.float32) - 2 ** (self.bits - 1)) * scale
+            values = jnp.where(codes == 0, jnp.nan, values)
+        return values.reshape(info.shape).astype(info.dtype)
+
+
+def _grouped(x: jnp.ndarray, group_size: int) -> jnp.ndarray:
+    """(groups, group_size) view along the last axis, or one group for the whole tensor."""
+    if x.ndim >= 1 and x.shape[-1] % group_size == 0 and x.size > 0:
+        return x.reshape(-1, group_size)
+    return x.reshape(1, -1)
+
+
+def _pack_codes(codes: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """Packs `8 // bits` codes per byte, little end first."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return codes
+    padded = jnp.pad(codes, (0, -codes.size % per_byte)).reshape(-1, per_byte)
+    shifts = jnp.arange(per_byte, dtype=jnp.uint8) * jnp.uint8(bits)
+    return jnp.bitwise_or.reduce(padded << shifts, axis=1).astype(jnp.uint8)
+
+
+def _unpack_codes(packed: jnp.ndarray, bits: int, size: int) -> jnp.ndarray:
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return packed
+    shifts = jnp.arange(per_byte, dtype=jnp.uint8) * jnp.uint8(bits)
+    mask = jnp.uint8(2**bits - 1)
+    return ((packed[:, None] >> shifts) & mask).reshape(-1)[:size]
+
+
+def _key(seed: int, index: int, x: jnp.ndarray) -> jax.Array:
+    """A key that is the same for the same data and differs for new activations."""
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    digest = jnp.sum(bits * _odd_weights(bits.shape), dtype=jnp.uint32)
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), index), digest)
+
+
+def _odd_weights(shape: tuple[int, ...]) -> jnp.ndarray:
+    # Position-dependent odd multipliers, so permuted data hashes differently.
+    n = math.prod(shape)
+    return (jnp.arange(n, dtype=jnp.uint32) * jnp.uint32(2654435761) | jnp.uint32(1)).reshape(shape)
