@@ -26,18 +26,20 @@ class Quantize(Policy):
 
     Each residual is cut into groups of `group_size` consecutive elements along its
     last axis (one group for the whole tensor when the last axis is not a multiple of
-    `group_size`). With `format="int"`, a group with largest finite magnitude $m$ is
-    stored as codes $q = \\mathrm{round}(x / s)$, $s = m / (2^{b-1} - 1)$, packed into
-    `uint8`: one code per byte for `bits=8`, two for 4, four for 2. With an fp8
-    `format`, $x / s$ is stored in JAX's float8 dtype, $s = m / \\max_\\text{fp8}$.
+    `group_size`). With `format="int"`, a group with largest finite magnitude $m$ (its
+    absmax scale) is stored as codes of the nearest of $2^b$ evenly spaced values from
+    $-m$ to $m$, packed into `uint8`: one code per byte for `bits=8`, two for 4, four
+    for 2. With an fp8 `format`, $x / s$ is stored in JAX's float8 dtype,
+    $s = m / \\max_\\text{fp8}$.
 
     - Memory per element, float32 residual, group 64, float32 scales: int8 1.06 B
       (0.27x), int4 0.56 B (0.14x), 2-bit 0.31 B (0.08x), fp8 1.06 B.
     - Non-finite values: scales only look at finite values, so a NaN or Inf never
-      changes any finite value, in its group or another. Integer formats reserve
-      code 0 for them and give them back as NaN (an Inf comes back as NaN too: the
-      gradient still shows the divergence at the same position). fp8 keeps them as
-      the fp8 dtype does (`e5m2` keeps Inf; `e4m3` has no Inf and gives NaN).
+      changes any other group. A group holding one is marked (negative scale),
+      keeps code 0 for them and gives them back as NaN (an Inf comes back as NaN
+      too: the gradient still shows the divergence at the same position); its
+      finite values use the $2^b - 1$ codes around zero. fp8 keeps non-finite values
+      as the fp8 dtype does (`e5m2` keeps Inf; `e4m3` has no Inf and gives NaN).
     - `stochastic=True` (integer formats) rounds up with probability equal to the
       fractional part, so the dequantized value is unbiased. Its random key comes
       from `seed`, the residual's index and a cheap hash of the residual's bits: the
@@ -114,35 +116,47 @@ class Quantize(Policy):
         groups = _grouped(x.astype(jnp.float32), self.group_size)
         finite = jnp.isfinite(groups)
         absmax = jnp.max(jnp.where(finite, jnp.abs(groups), 0.0), axis=1, initial=0.0)
-        if self.format == "int":
-            top = 2 ** (self.bits - 1) - 1
-        else:
-            top = float(jnp.finfo(_FP8[self.format]).max)
-        # Quantize with the scale as stored, so unpack sees exactly what pack used.
-        scale = (absmax / top).astype(self.scale_dtype)
-        safe = jnp.where(scale > 0, scale.astype(jnp.float32), 1.0)[:, None]
-        scaled = groups / safe
         if self.format != "int":
-            return {"codes": scaled.astype(_FP8[self.format]), "scale": scale}
+            top = float(jnp.finfo(_FP8[self.format]).max)
+            scale = (absmax / top).astype(self.scale_dtype)
+            safe = jnp.where(scale > 0, scale.astype(jnp.float32), 1.0)[:, None]
+            return {"codes": (groups / safe).astype(_FP8[self.format]), "scale": scale}
+        half = 2 ** (self.bits - 1)
+        # Clean groups use all 2^b codes, on an even grid from -m to m. Groups holding
+        # a NaN or Inf keep code 0 for those and put the finite values on the 2^b - 1
+        # codes of a grid through zero; a negative scale marks them.
+        broken = ~jnp.all(finite, axis=1)
+        steps = jnp.where(broken, half - 1, half - 0.5)
+        # Quantize with the scale as stored, so unpack sees exactly what pack used.
+        scale = (absmax / steps).astype(self.scale_dtype)
+        step = scale.astype(jnp.float32)
+        safe = jnp.where(step > 0, step, 1.0)[:, None]
+        offset = jnp.where(broken, 0.0, half - 0.5)[:, None]
+        position = groups / safe + offset  # in [-(half - 1), half - 1] or [0, 2^b - 1]
         if self.stochastic:
-            noise = jax.random.uniform(_key(self.seed, info.index, x), scaled.shape)
-            rounded = jnp.floor(scaled + noise)
+            noise = jax.random.uniform(_key(self.seed, info.index, x), position.shape)
+            rounded = jnp.floor(position + noise)
         else:
-            rounded = jnp.round(scaled)
-        codes = jnp.clip(rounded, -top, top) + 2 ** (self.bits - 1)
-        codes = jnp.where(finite, codes, 0).astype(jnp.uint8)  # 0: non-finite
-        return {"codes": _pack_codes(codes.ravel(), self.bits), "scale": scale}
+            rounded = jnp.round(position)
+        low = jnp.where(broken, 1 - half, 0)[:, None]
+        high = jnp.where(broken, half - 1, 2 * half - 1)[:, None]
+        codes = jnp.clip(rounded, low, high) + jnp.where(broken, half, 0)[:, None]
+        codes = jnp.where(finite, codes, 0).astype(jnp.uint8)
+        stored = jnp.where(broken, -scale, scale)
+        return {"codes": _pack_codes(codes.ravel(), self.bits), "scale": stored}
 
     def unpack(self, packed: dict[str, jnp.ndarray], info: ResidualInfo) -> jnp.ndarray:
         scale = packed["scale"].astype(jnp.float32)[:, None]
         n_groups = scale.shape[0]
         if self.format != "int":
             values = packed["codes"].astype(jnp.float32) * scale
-        else:
-            codes = _unpack_codes(packed["codes"], self.bits, info.size)
-            codes = codes.reshape(n_groups, -1)
-            values = (codes.astype(jnp.float32) - 2 ** (self.bits - 1)) * scale
-            values = jnp.where(codes == 0, jnp.nan, values)
+            return values.reshape(info.shape).astype(info.dtype)
+        half = 2 ** (self.bits - 1)
+        broken = jnp.signbit(scale)
+        codes = _unpack_codes(packed["codes"], self.bits, info.size).reshape(n_groups, -1)
+        position = codes.astype(jnp.float32) - jnp.where(broken, half, half - 0.5)
+        values = position * jnp.abs(scale)
+        values = jnp.where(broken & (codes == 0), jnp.nan, values)
         return values.reshape(info.shape).astype(info.dtype)
 
 

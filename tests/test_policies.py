@@ -1,0 +1,126 @@
+"""The shared policy contract (optax's `_common_test` idea), run on every built-in policy."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import residual
+from residual import policies as rp
+from tests.helpers import mlp_params, relative_error, scan_mlp, tree_equal, unrolled_mlp
+
+# policy, relative gradient error bound on the small MLPs (0: bit-identical).
+POLICIES = [
+    (rp.Identity(), 0.0),
+    (rp.Remat(), 1e-6),
+    (rp.Offload(), 0.0),
+    (rp.Profile(), 0.0),
+    (rp.Cast(jnp.bfloat16), 1e-2),
+    (rp.Quantize(bits=8), 1e-2),
+    (rp.Quantize(bits=4), 2e-1),
+    (rp.Quantize(bits=4, stochastic=True), 3e-1),
+    (rp.Quantize(bits=2), 1.0),
+    (rp.Quantize(format="fp8_e4m3"), 1e-1),
+    (rp.Quantize(format="fp8_e5m2"), 2e-1),
+    (rp.Chain(rp.Quantize(bits=8), rp.Offload()), 1e-2),
+    (rp.select([(rp.where(primitive="dot_general"), rp.Identity())], default=rp.Remat()), 1e-6),
+    (rp.select([(rp.where(min_bytes=1024), rp.Quantize(bits=8))]), 1e-2),
+]
+IDS = [repr(p)[:30] for p, _ in POLICIES]
+
+
+def _check(got, expected, bound):
+    if bound == 0.0:
+        assert tree_equal(got, expected)
+    else:
+        assert relative_error(got, expected) <= bound
+
+
+@pytest.mark.parametrize(("policy", "bound"), POLICIES, ids=IDS)
+@pytest.mark.parametrize("model", [scan_mlp, unrolled_mlp])
+def test_grad_and_jit_match_plain_grad(policy, bound, model):
+    ws, x = mlp_params(layers=3, width=64, batch=16)
+    g = residual.with_hooks(model, policy=policy)
+    _check(jax.grad(g)(ws, x), jax.grad(model)(ws, x), bound)
+    _check(jax.jit(jax.grad(g))(ws, x), jax.jit(jax.grad(model))(ws, x), bound)
+
+
+@pytest.mark.parametrize(("policy", "bound"), POLICIES, ids=IDS)
+def test_vmap_of_grad(policy, bound):
+    ws, x = mlp_params(layers=2, width=64, batch=8)
+    xs = jnp.stack([x, 2 * x])
+    g = residual.with_hooks(scan_mlp, policy=policy)
+    got = jax.vmap(jax.grad(g), in_axes=(None, 0))(ws, xs)
+    _check(got, jax.vmap(jax.grad(scan_mlp), in_axes=(None, 0))(ws, xs), bound)
+
+
+@pytest.mark.parametrize(("policy", "bound"), POLICIES, ids=IDS)
+def test_as_a_scope_and_in_a_region_of_a_scan_body(policy, bound):
+    ws, x = mlp_params(layers=2, width=64, batch=8)
+    f = residual.with_hooks(scan_mlp)
+    with residual.saved_tensors_hooks(policy=policy):
+        got = jax.jit(jax.grad(f))(ws, x)
+    _check(got, jax.jit(jax.grad(scan_mlp))(ws, x), bound)
+
+    def region_mlp(ws, x):
+        def layer(h, w):
+            with residual.saved_tensors_hooks(policy=policy):
+                h = jnp.tanh(h @ w)
+            return h, None
+
+        return jnp.sum(lax.scan(layer, x, ws)[0] ** 2)
+
+    _check(jax.grad(residual.with_hooks(region_mlp))(ws, x), jax.grad(scan_mlp)(ws, x), bound)
+
+
+@pytest.mark.parametrize(("policy", "bound"), POLICIES, ids=IDS)
+def test_hashable_equal_by_value_and_no_retracing(policy, bound):
+    assert hash(policy) == hash(policy)
+    assert policy == policy
+    ws, x = mlp_params(layers=2, width=64, batch=8)
+    traces = []
+    g = residual.with_hooks(scan_mlp, policy=policy)
+
+    @jax.jit
+    def step(ws, x):
+        traces.append(1)
+        return ws - 0.1 * jax.grad(g)(ws, x)
+
+    for _ in range(4):
+        ws = step(ws, x)
+    assert len(traces) == 1
+
+
+def test_policies_compare_by_value():
+    assert rp.Quantize(bits=4) == rp.Quantize(bits=4)
+    assert hash(rp.Quantize(bits=4)) == hash(rp.Quantize(bits=4))
+    assert rp.Quantize(bits=4) != rp.Quantize(bits=8)
+    assert rp.Cast(jnp.bfloat16) == rp.Cast("bfloat16")
+    assert rp.where(dtype=jnp.float32) == rp.where(dtype=(jnp.float32,))
+    assert rp.Offload() == rp.Offload("pinned_host")
+
+
+@pytest.mark.parametrize(
+    "policy", [rp.Cast(jnp.bfloat16), rp.Quantize(bits=8), rp.Quantize(bits=2), rp.Offload()]
+)
+def test_builtins_leave_integers_and_kept_alive_inputs_alone(policy):
+    profile = rp.Profile()
+
+    def f(w, x, idx):
+        h = jnp.tanh(x @ w)
+        return jnp.sum(h[idx] ** 2)
+
+    w, x, idx = jnp.ones((4, 4)) * 0.1, jnp.ones((3, 4)), jnp.array([0, 2])
+    jax.grad(residual.with_hooks(f, policy=rp.Chain(profile, rp.Identity())))(w, x, idx)
+    infos = profile.log.infos
+    assert any(i.kept_alive for i in infos) and any(i.dtype == jnp.int32 for i in infos)
+    # Offloading keeps values exactly, so it moves integer residuals too.
+    approximates = not policy.lossless
+    for info in infos:
+        integer = not jnp.issubdtype(info.dtype, jnp.floating)
+        if info.kept_alive or (integer and approximates):
+            assert policy.resolve(info) is None, info
+        else:
+            assert policy.resolve(info) is not None, info

@@ -1,0 +1,172 @@
+"""`Quantize` and `Cast`: formats, packed bytes, non-finite values, stochastic rounding, memory."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import residual
+from residual import ResidualInfo
+from residual import policies as rp
+from tests.helpers import compiled_text, mlp_params, scan_mlp, temp_bytes, unrolled_mlp
+
+
+def _info(x, index=0):
+    return ResidualInfo(index=index, shape=tuple(x.shape), dtype=np.dtype(x.dtype))
+
+
+def _round_trip(policy, x, index=0):
+    info = _info(x, index)
+    packed = policy.pack(x, info)
+    return packed, policy.unpack(packed, info)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"bits": 3}, r"`bits` must be one of \(8, 4, 2\).*got 3"),
+        ({"group_size": 0}, r"`group_size` must be a positive int.*got 0"),
+        ({"format": "nf4"}, r"`format` must be one of \('int', 'fp8_e4m3', 'fp8_e5m2'\).*'nf4'"),
+        ({"format": "fp8_e4m3", "bits": 4}, r"stores 8 bits per element.*bits=4"),
+        ({"format": "fp8_e5m2", "stochastic": True}, r"`stochastic=True` is implemented for"),
+        ({"scale_dtype": jnp.float16}, r"`scale_dtype` must be jnp.float32 or jnp.bfloat16"),
+    ],
+)
+def test_constructor_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        rp.Quantize(**kwargs)
+
+
+def test_cast_needs_a_float_dtype():
+    with pytest.raises(TypeError, match=r"`Cast\(dtype\)` needs a floating-point dtype.*int8"):
+        rp.Cast(jnp.int8)
+
+
+@pytest.mark.parametrize(
+    ("bits", "bytes_per_element", "max_rel_error"), [(8, 1.0, 0.01), (4, 0.5, 0.15), (2, 0.25, 0.7)]
+)
+def test_int_codes_take_the_promised_bytes_and_error(bits, bytes_per_element, max_rel_error):
+    x = jax.random.normal(jax.random.key(0), (32, 128))
+    packed, y = _round_trip(rp.Quantize(bits=bits, group_size=64), x)
+    assert packed["codes"].dtype == jnp.uint8
+    assert packed["codes"].nbytes == x.size * bytes_per_element
+    assert packed["scale"].shape == (x.size // 64,) and packed["scale"].dtype == jnp.float32
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert float(jnp.linalg.norm(y - x) / jnp.linalg.norm(x)) < max_rel_error
+
+
+@pytest.mark.parametrize(
+    ("fmt", "dtype"), [("fp8_e4m3", jnp.float8_e4m3fn), ("fp8_e5m2", jnp.float8_e5m2)]
+)
+def test_fp8_codes(fmt, dtype):
+    x = jax.random.normal(jax.random.key(1), (16, 64)) * 100
+    packed, y = _round_trip(rp.Quantize(format=fmt), x)
+    assert packed["codes"].dtype == dtype and packed["codes"].nbytes == x.size
+    assert float(jnp.linalg.norm(y - x) / jnp.linalg.norm(x)) < 0.1
+
+
+def test_bfloat16_scales_and_per_tensor_fallback():
+    x = jax.random.normal(jax.random.key(2), (5, 7))  # 7 is not a multiple of 64
+    packed, y = _round_trip(rp.Quantize(bits=8, scale_dtype=jnp.bfloat16), x)
+    assert packed["scale"].shape == (1,) and packed["scale"].dtype == jnp.bfloat16
+    assert float(jnp.max(jnp.abs(y - x))) < 0.03
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0), (1,)])
+def test_scalars_and_empty_residuals(shape):
+    x = jnp.full(shape, 0.5)
+    _, y = _round_trip(rp.Quantize(bits=4), x)
+    assert y.shape == shape and bool(jnp.all(jnp.abs(y - x) < 0.1))
+
+
+def test_all_zero_groups_and_denormals():
+    x = jnp.zeros((4, 64)).at[1].set(1e-40).at[2, :3].set(jnp.array([1.0, -2.0, 3.0]))
+    _, y = _round_trip(rp.Quantize(bits=8), x)
+    assert bool(jnp.all(y[0] == 0)) and bool(jnp.all(jnp.isfinite(y)))
+    assert float(jnp.max(jnp.abs(y[1]))) <= 1e-38
+    np.testing.assert_allclose(y[2, :3], [1.0, -2.0, 3.0], atol=3 / 127)
+
+
+@pytest.mark.parametrize(
+    "policy", [rp.Quantize(bits=8), rp.Quantize(bits=2), rp.Quantize(format="fp8_e5m2")]
+)
+def test_non_finite_values_never_corrupt_finite_ones(policy):
+    x = jax.random.normal(jax.random.key(3), (4, 64))
+    bad = x.at[0, 5].set(jnp.nan).at[1, 7].set(jnp.inf).at[1, 8].set(-jnp.inf)
+    _, clean = _round_trip(policy, x)
+    _, y = _round_trip(policy, bad)
+    assert bool(jnp.isnan(y[0, 5])) and not bool(jnp.isfinite(y[1, 7]))
+    # Other groups come back exactly as without the NaN; finite values of the broken
+    # groups stay within the format's error (scales ignore non-finite values).
+    assert bool(jnp.all(y[2:] == clean[2:]))
+    finite = jnp.isfinite(bad[:2])
+    error = jnp.where(finite, jnp.abs(y[:2] - x[:2]), 0.0)
+    bound = jnp.max(jnp.abs(x[:2]), axis=1, keepdims=True)
+    assert bool(jnp.all(error <= bound * (1.0 if getattr(policy, "bits", 8) == 2 else 0.1)))
+
+
+def test_nan_in_forward_gives_nan_gradient_at_the_same_positions():
+    def f(w, x):
+        h = jnp.tanh(x @ w)
+        return jnp.sum(jnp.sin(h) * h)
+
+    w = jax.random.normal(jax.random.key(4), (64, 64)) / 8
+    x = jax.random.normal(jax.random.key(5), (8, 64)).at[2, 3].set(jnp.nan)
+    plain = jax.grad(f)(w, x)
+    for policy in [rp.Quantize(bits=8), rp.Quantize(bits=4), rp.Cast(jnp.bfloat16)]:
+        got = jax.grad(residual.with_hooks(f, policy=policy))(w, x)
+        assert bool(jnp.any(jnp.isnan(plain)))
+        assert bool(jnp.all(jnp.isnan(got) == jnp.isnan(plain))), policy
+
+
+def test_stochastic_rounding_is_unbiased():
+    x = jax.random.uniform(jax.random.key(6), (64,), minval=-1, maxval=1)
+    policy = rp.Quantize(bits=2, stochastic=True)
+    draws = jnp.stack([_round_trip(policy, x, index=i)[1] for i in range(400)])
+    deterministic = _round_trip(rp.Quantize(bits=2), x)[1]
+    mean_error = float(jnp.max(jnp.abs(draws.mean(0) - x)))
+    assert mean_error < 0.1 < float(jnp.max(jnp.abs(deterministic - x)))
+
+
+def test_stochastic_rounding_is_reproducible_and_varies_with_the_data():
+    x = jax.random.normal(jax.random.key(7), (8, 64))
+    policy = rp.Quantize(bits=4, stochastic=True)
+    first, _ = _round_trip(policy, x)
+    again, _ = _round_trip(policy, x)
+    assert bool(jnp.all(first["codes"] == again["codes"]))
+    moved, _ = _round_trip(policy, x.at[0, 0].add(1.0))
+    # Same values elsewhere, new key: other codes round differently somewhere.
+    assert bool(jnp.any(first["codes"][8:] != moved["codes"][8:]))
+    other_seed, _ = _round_trip(rp.Quantize(bits=4, stochastic=True, seed=1), x)
+    assert bool(jnp.any(first["codes"] != other_seed["codes"]))
+
+
+def test_scan_stacks_the_packed_codes_and_temp_memory_shrinks():
+    ws, x = mlp_params(layers=4, width=128, batch=256)
+    plain_text = compiled_text(jax.grad(scan_mlp), ws, x)
+    assert re.search(r"f32\[4,256,128\]", plain_text)
+    plain = temp_bytes(jax.grad(scan_mlp), ws, x)
+    for bits, bound in [(8, 0.5), (4, 0.4), (2, 0.35)]:
+        g = jax.grad(residual.with_hooks(scan_mlp, policy=rp.Quantize(bits=bits)))
+        text = compiled_text(g, ws, x)
+        assert re.search(rf"u8\[4,{256 * 128 * bits // 8}\]", text), bits
+        assert not re.search(r"f32\[4,256,128\]", text), bits
+        assert temp_bytes(g, ws, x) <= bound * plain, bits
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [rp.Identity(), rp.Cast(jnp.bfloat16), rp.Quantize(bits=8), rp.Quantize(bits=4), rp.Remat()],
+    ids=repr,
+)
+def test_unrolled_mlp_never_uses_more_memory_than_plain(policy):
+    ws, x = mlp_params(layers=6, width=128, batch=256)
+    plain = temp_bytes(jax.grad(unrolled_mlp), ws, x)
+    hooked = temp_bytes(jax.grad(residual.with_hooks(unrolled_mlp, policy=policy)), ws, x)
+    assert hooked <= plain
+    if isinstance(policy, rp.Quantize) and policy.bits == 8:
+        assert hooked <= 0.9 * plain
