@@ -3,7 +3,11 @@ residuals your gradients save."""
 
 from . import policies as policies
 from ._errors import HookError as HookError
+from ._gradcheck import GradcheckResult as GradcheckResult
+from ._gradcheck import gradcheck as gradcheck
 from ._info import ResidualInfo as ResidualInfo
+from ._inspect import Report as Report
+from ._inspect import inspect as inspect
 from ._policy import Policy as Policy
 from ._scope import disable_saved_tensors_hooks as disable_saved_tensors_hooks
 from ._scope import saved_tensors_hooks as saved_tensors_hooks

@@ -27,6 +27,9 @@ class Identity(Policy):
 
     lossless = True
 
+    def resolve(self, info: ResidualInfo) -> Policy | None:
+        return None  # stored as it is: nothing to pack
+
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> jnp.ndarray:
         return x
 

@@ -53,7 +53,7 @@ class Profile(Policy):
         [('exp', (3,))]
     """
 
-    log: ProfileLog = dataclasses.field(default_factory=ProfileLog)
+    log: ProfileLog = dataclasses.field(default_factory=ProfileLog, repr=False)
     lossless = True
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> jnp.ndarray:

@@ -104,6 +104,10 @@ class _Select(Policy):
     rules: tuple[tuple[Callable[[ResidualInfo], bool], Policy], ...]
     default: Policy | None
 
+    def __repr__(self) -> str:
+        rules = ", ".join(f"{p!r}" for _, p in self.rules)
+        return f"select([{rules}], default={self.default!r})"
+
     def resolve(self, info: ResidualInfo) -> Policy | None:
         for predicate, policy in self.rules:
             if predicate(info):
