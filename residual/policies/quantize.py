@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -114,18 +115,45 @@ class Quantize(Policy):
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> dict[str, jnp.ndarray]:
         groups = _grouped(x.astype(jnp.float32), self.group_size)
+        # Plain max and min read the data directly: no float temporary the size of
+        # the residual (an absmax over `where(isfinite, abs, 0)` is one, on CPU).
+        # A NaN or Inf shows in them; only then does the slower exact path run.
+        hi = jnp.max(groups, axis=1, initial=-jnp.inf)
+        lo = jnp.min(groups, axis=1, initial=jnp.inf)
+        clean = jnp.isfinite(hi) & jnp.isfinite(lo) | (groups.shape[1] == 0)
+        noise = None
+        if self.stochastic:
+            noise = jax.random.uniform(_key(self.seed, info.index, x), groups.shape)
+        fast = functools.partial(self._pack_clean, noise=noise)
+        slow = functools.partial(self._pack_any, noise=noise)
+        codes, scale = lax.cond(jnp.all(clean), fast, slow, groups, jnp.maximum(hi, -lo))
+        if self.format == "int":
+            codes = _pack_codes(codes.ravel(), self.bits)
+        return {"codes": codes, "scale": scale}
+
+    def _pack_clean(self, groups, absmax, noise):
+        """All values finite: every code is a value."""
+        return self._codes(groups, absmax, jnp.zeros(absmax.shape, bool), noise)
+
+    def _pack_any(self, groups, absmax, noise):
+        """Some values are NaN or Inf: scales from the finite ones, code 0 for the rest."""
         finite = jnp.isfinite(groups)
         absmax = jnp.max(jnp.where(finite, jnp.abs(groups), 0.0), axis=1, initial=0.0)
+        codes, scale = self._codes(groups, absmax, ~jnp.all(finite, axis=1), noise)
+        if self.format == "int":
+            codes = jnp.where(finite, codes, jnp.uint8(0))
+        return codes, scale
+
+    def _codes(self, groups, absmax, broken, noise):
         if self.format != "int":
             top = float(jnp.finfo(_FP8[self.format]).max)
             scale = (absmax / top).astype(self.scale_dtype)
             safe = jnp.where(scale > 0, scale.astype(jnp.float32), 1.0)[:, None]
-            return {"codes": (groups / safe).astype(_FP8[self.format]), "scale": scale}
+            return (groups / safe).astype(_FP8[self.format]), scale
         half = 2 ** (self.bits - 1)
         # Clean groups use all 2^b codes, on an even grid from -m to m. Groups holding
         # a NaN or Inf keep code 0 for those and put the finite values on the 2^b - 1
         # codes of a grid through zero; a negative scale marks them.
-        broken = ~jnp.all(finite, axis=1)
         steps = jnp.where(broken, half - 1, half - 0.5)
         # Quantize with the scale as stored, so unpack sees exactly what pack used.
         scale = (absmax / steps).astype(self.scale_dtype)
@@ -133,17 +161,13 @@ class Quantize(Policy):
         safe = jnp.where(step > 0, step, 1.0)[:, None]
         offset = jnp.where(broken, 0.0, half - 0.5)[:, None]
         position = groups / safe + offset  # in [-(half - 1), half - 1] or [0, 2^b - 1]
-        if self.stochastic:
-            noise = jax.random.uniform(_key(self.seed, info.index, x), position.shape)
-            rounded = jnp.floor(position + noise)
-        else:
-            rounded = jnp.round(position)
+        rounded = jnp.round(position) if noise is None else jnp.floor(position + noise)
         low = jnp.where(broken, 1 - half, 0)[:, None]
         high = jnp.where(broken, half - 1, 2 * half - 1)[:, None]
         codes = jnp.clip(rounded, low, high) + jnp.where(broken, half, 0)[:, None]
-        codes = jnp.where(finite, codes, 0).astype(jnp.uint8)
-        stored = jnp.where(broken, -scale, scale)
-        return {"codes": _pack_codes(codes.ravel(), self.bits), "scale": stored}
+        # NaN codes (non-finite inputs) become 0 in `_pack_any`; cast them safely here.
+        codes = jnp.where(jnp.isnan(codes), 0, codes).astype(jnp.uint8)
+        return codes, jnp.where(broken, -scale, scale)
 
     def unpack(self, packed: dict[str, jnp.ndarray], info: ResidualInfo) -> jnp.ndarray:
         scale = packed["scale"].astype(jnp.float32)[:, None]
