@@ -22,7 +22,14 @@ from ._errors import HookError
 from ._info import ResidualInfo
 from ._policy import FunctionHooks, Policy
 from ._record import Record, record
-from ._residuals import OWNED_NAME, Analysis, InputKind, Residual, trace_residuals
+from ._residuals import (
+    OWNED_NAME,
+    Analysis,
+    InputKind,
+    Residual,
+    backward_jaxpr,
+    trace_residuals,
+)
 from ._scope import resolve_entry
 
 
@@ -100,7 +107,8 @@ def hooked_call(
                     stored.append(xs[i])
                     _tag_owned(_Raw(len(stored) - 1), input_kinds[i].kept_alive, stored)
         state.update(analysis=analysis, plans=plans, recompute=recompute,
-                     stored_inputs=stored_inputs)
+                     stored_inputs=stored_inputs,
+                     backward=backward_jaxpr(analysis, residuals, outs))
         return outs, stored
 
     def bwd(stored, cts):
@@ -128,23 +136,22 @@ def hooked_call(
                 restored[i] = plan.restore(stored, info)
             return restored[i]
 
-        return tuple(_run_backward(analysis, restore, list(cts)))
+        return tuple(_run_backward(state["backward"], len(plans), restore, list(cts)))
 
     run.defvjp(fwd, bwd)
     return run(*inputs)
 
 
-def _run_backward(analysis: Analysis, restore: Callable, cts: list) -> list:
+def _run_backward(backward: jp.ClosedJaxpr, n_res: int, restore: Callable, cts: list) -> list:
     """Runs JAX's backward pass, restoring each residual just before its first use.
 
     Restoring them all up front would let XLA schedule every `unpack` (a dequantize,
     a copy back from host) early, so all float residuals would be live at once; tied
     to the values the backward has computed by then, each one is restored late.
     """
-    jaxpr = analysis.backward.jaxpr
-    n_res = len(analysis.residuals)
+    jaxpr = backward.jaxpr
     lazy = {v: i for i, v in enumerate(jaxpr.invars[:n_res])}
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, analysis.backward.consts))
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, backward.consts))
     env.update(zip(jaxpr.invars[n_res:], cts))
 
     def read(v, tie):
@@ -173,16 +180,34 @@ def _after(arrays: list, tie) -> list:
     of NaN): one element of `tie`, a value of the backward computed just before the
     residual is needed, so the copy, and `unpack` after it, wait for it.
     """
-    nonempty = [a for a in arrays if a.size]
-    if not nonempty:
+    # Offloaded arrays stay where they are: under `vmap` the `cond` becomes a select,
+    # which cannot mix host and device memory.
+    on_device = [i for i, a in enumerate(arrays) if a.size and _in_device_memory(a)]
+    if len(on_device) < len(arrays):
+        routed = _after([arrays[i] for i in on_device], tie) if on_device else []
+        arrays = list(arrays)
+        for i, value in zip(on_device, routed):
+            arrays[i] = value
         return arrays
+    nonempty = arrays
+    if jax.device_count() > 1:
+        # XLA's SPMD partitioner replicates what flows through a conditional, which
+        # would all-gather sharded activations: with several devices, a barrier
+        # (kept by the GPU pipeline) orders `unpack` after `tie` instead.
+        if tie is None:
+            return arrays
+        return list(lax.optimization_barrier((arrays, tie))[0])
     # Only when nothing of the backward is at hand does the probe read the packed
     # data: XLA would compute that element from the float residual, keeping it alive.
     probe = tie if tie is not None else nonempty[0]
     first = probe.ravel()[0].astype(jnp.float32)
-    pred = first == first
     # The branches must differ: JAX inlines a `cond` whose branches are equal.
-    return list(lax.cond(pred, _identity, _copy, arrays))
+    return list(lax.cond(first == first, _identity, _copy, arrays))
+
+
+def _in_device_memory(array) -> bool:
+    space = getattr(jax.typeof(array), "memory_space", None)
+    return space is None or space == jax.memory.Space.Device
 
 
 def _identity(x):

@@ -57,7 +57,6 @@ class Analysis:
     num_outputs: int
     vjp_treedef: Any
     residuals: tuple[Residual, ...]
-    backward: jp.ClosedJaxpr  # (residuals..., cotangents...) -> input cotangents
 
 
 def trace_residuals(
@@ -94,23 +93,27 @@ def trace_residuals(
         residual = _describe(index, var, origin, input_kinds)
         derivation = _derivation(var, index, producers, index_of)
         residuals.append(dataclasses.replace(residual, derivation=derivation))
-    backward = _backward_jaxpr(box["treedef"], residual_vars, jaxpr.outvars[:n_out])
-    return Analysis(closed, n_out, box["treedef"], tuple(residuals), backward)
+    return Analysis(closed, n_out, box["treedef"], tuple(residuals))
 
 
-def _backward_jaxpr(treedef, residual_vars, output_vars) -> jp.ClosedJaxpr:
-    """JAX's backward pass as a jaxpr of the residuals and the output cotangents."""
-    n = len(residual_vars)
+def backward_jaxpr(analysis: Analysis, residuals: Sequence[Any], outputs: Sequence[Any]):
+    """JAX's backward pass as a jaxpr of the residuals and the output cotangents.
+
+    Traced from the forward's own values, so that every type detail (weak types, the
+    varying axes of `shard_map`) is exactly what the backward will receive.
+    """
+    n = len(residuals)
 
     def backward(*args):
-        return list(jax.tree.unflatten(treedef, list(args[:n]))(list(args[n:])))
+        vjp = jax.tree.unflatten(analysis.vjp_treedef, list(args[:n]))
+        return list(vjp(list(args[n:])))
 
-    def spec(aval, tangent=False):
-        dtype = jp.tangent_dtype(aval.dtype) if tangent else aval.dtype
-        return jax.ShapeDtypeStruct(aval.shape, dtype, weak_type=aval.weak_type)
-
-    specs = [spec(v.aval) for v in residual_vars] + [spec(v.aval, True) for v in output_vars]
-    return jax.make_jaxpr(backward)(*specs)
+    cotangents = [
+        o if jp.tangent_dtype(o.dtype) == o.dtype
+        else jax.ShapeDtypeStruct(o.shape, jp.tangent_dtype(o.dtype))
+        for o in outputs
+    ]
+    return jax.make_jaxpr(backward)(*residuals, *cotangents)
 
 
 # Elementwise equations as cheap to recompute as to read: XLA recomputes them from

@@ -43,7 +43,7 @@ def test_totals_agree_with_jax_print_saved_residuals(model):
 
 def test_report_rows_scan_iterations_and_policy_effect():
     ws, x = mlp_params(layers=4, width=64, batch=32)
-    report = residual.inspect(scan_mlp, ws, x, policy=rp.Quantize(bits=8))
+    report = residual.inspect(scan_mlp, ws, x, policy=rp.Quantize(bits=8, min_bytes=0))
     body = [r for r in report.rows if r.iterations == 4]
     assert body and all(r.shape == (32, 64) for r in body)
     assert any(r.primitive == "tanh" and r.source.startswith("helpers.py:") for r in body)
@@ -77,7 +77,7 @@ def test_inspect_works_on_shape_specs_without_running_anything():
 
 def test_gradcheck_passes_good_hooks_and_names_the_worst_residual_of_bad_ones():
     ws, x = mlp_params(layers=2, width=64, batch=8)
-    good = residual.gradcheck(scan_mlp, ws, x, policy=rp.Quantize(bits=8))
+    good = residual.gradcheck(scan_mlp, ws, x, policy=rp.Quantize(bits=8, min_bytes=0))
     assert good.ok and good.grad_rel_error < 0.05 and good.residuals
     assert all(c.max_rel_error < 0.02 for c in good.residuals)
     bad = residual.gradcheck(scan_mlp, ws, x, pack=lambda v: v * 2, unpack=lambda p: p)

@@ -18,15 +18,15 @@ POLICIES = [
     (rp.Offload(), 0.0),
     (rp.Profile(), 0.0),
     (rp.Cast(jnp.bfloat16), 1e-2),
-    (rp.Quantize(bits=8), 1e-2),
-    (rp.Quantize(bits=4), 2e-1),
-    (rp.Quantize(bits=4, stochastic=True), 3e-1),
-    (rp.Quantize(bits=2), 1.0),
-    (rp.Quantize(format="fp8_e4m3"), 1e-1),
-    (rp.Quantize(format="fp8_e5m2"), 2e-1),
-    (rp.Chain(rp.Quantize(bits=8), rp.Offload()), 1e-2),
+    (rp.Quantize(bits=8, min_bytes=0), 1e-2),
+    (rp.Quantize(bits=4, min_bytes=0), 2e-1),
+    (rp.Quantize(bits=4, stochastic=True, min_bytes=0), 3e-1),
+    (rp.Quantize(bits=2, min_bytes=0), 1.0),
+    (rp.Quantize(format="fp8_e4m3", min_bytes=0), 1e-1),
+    (rp.Quantize(format="fp8_e5m2", min_bytes=0), 2e-1),
+    (rp.Chain(rp.Quantize(bits=8, min_bytes=0), rp.Offload()), 1e-2),
     (rp.select([(rp.where(primitive="dot_general"), rp.Identity())], default=rp.Remat()), 1e-6),
-    (rp.select([(rp.where(min_bytes=1024), rp.Quantize(bits=8))]), 1e-2),
+    (rp.select([(rp.where(min_bytes=1024), rp.Quantize(bits=8, min_bytes=0))]), 1e-2),
 ]
 IDS = [repr(p)[:30] for p, _ in POLICIES]
 
@@ -94,16 +94,16 @@ def test_hashable_equal_by_value_and_no_retracing(policy, bound):
 
 
 def test_policies_compare_by_value():
-    assert rp.Quantize(bits=4) == rp.Quantize(bits=4)
-    assert hash(rp.Quantize(bits=4)) == hash(rp.Quantize(bits=4))
-    assert rp.Quantize(bits=4) != rp.Quantize(bits=8)
+    assert rp.Quantize(bits=4, min_bytes=0) == rp.Quantize(bits=4, min_bytes=0)
+    assert hash(rp.Quantize(bits=4, min_bytes=0)) == hash(rp.Quantize(bits=4, min_bytes=0))
+    assert rp.Quantize(bits=4, min_bytes=0) != rp.Quantize(bits=8, min_bytes=0)
     assert rp.Cast(jnp.bfloat16) == rp.Cast("bfloat16")
     assert rp.where(dtype=jnp.float32) == rp.where(dtype=(jnp.float32,))
     assert rp.Offload() == rp.Offload("pinned_host")
 
 
 @pytest.mark.parametrize(
-    "policy", [rp.Cast(jnp.bfloat16), rp.Quantize(bits=8), rp.Quantize(bits=2), rp.Offload()]
+    "policy", [rp.Cast(jnp.bfloat16), rp.Quantize(bits=8, min_bytes=0), rp.Quantize(bits=2, min_bytes=0), rp.Offload()]
 )
 def test_builtins_leave_integers_and_kept_alive_inputs_alone(policy):
     profile = rp.Profile()

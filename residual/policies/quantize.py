@@ -47,8 +47,9 @@ class Quantize(Policy):
       same inputs give the same draws (reproducible), new activations give new draws
       (it varies from step to step), and nobody threads keys through the model.
 
-    Built-in defaults: only floating-point residuals that are not kept alive anyway
-    (`ResidualInfo.kept_alive`: weights, loop-invariant operands) are quantized.
+    Built-in defaults: only floating-point residuals of at least `min_bytes` that are
+    not kept alive anyway (`ResidualInfo.kept_alive`: weights, loop-invariant
+    operands) are quantized.
 
     Args:
         bits: 8, 4 or 2 for `format="int"`; 8 for fp8.
@@ -57,6 +58,10 @@ class Quantize(Policy):
         stochastic: unbiased stochastic rounding instead of round-to-nearest.
         scale_dtype: `jnp.float32` or `jnp.bfloat16`.
         seed: base seed of stochastic rounding.
+        min_bytes: residuals smaller than this (per iteration) are stored as they are:
+            they cost little, and they are where quantization hurts most (the
+            statistics of a normalization, `[batch, 1]`, quantized as one group, made
+            int4 training diverge in `benchmarks/quality.py`).
 
     Raises:
         ValueError: an unsupported `bits`, `format`, `group_size` or `scale_dtype`.
@@ -79,6 +84,7 @@ class Quantize(Policy):
     stochastic: bool = False
     scale_dtype: Any = jnp.float32
     seed: int = 0
+    min_bytes: int = 16384
 
     def __post_init__(self):
         if self.format not in _FORMATS:
@@ -103,6 +109,8 @@ class Quantize(Policy):
             raise ValueError(
                 f"`group_size` must be a positive int, but got {self.group_size!r}."
             )
+        if not isinstance(self.min_bytes, int) or self.min_bytes < 0:
+            raise ValueError(f"`min_bytes` must be a non-negative int, but got {self.min_bytes!r}.")
         scale = np.dtype(self.scale_dtype)
         if scale not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
             raise ValueError(
@@ -111,7 +119,7 @@ class Quantize(Policy):
         object.__setattr__(self, "scale_dtype", scale)
 
     def resolve(self, info: ResidualInfo) -> Policy | None:
-        return self if worth_packing(info) else None
+        return self if worth_packing(info) and info.nbytes >= self.min_bytes else None
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> dict[str, jnp.ndarray]:
         groups = _grouped(x.astype(jnp.float32), self.group_size)
