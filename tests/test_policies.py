@@ -103,7 +103,9 @@ def test_policies_compare_by_value():
 
 
 @pytest.mark.parametrize(
-    "policy", [rp.Cast(jnp.bfloat16), rp.Quantize(bits=8, min_bytes=0), rp.Quantize(bits=2, min_bytes=0), rp.Offload()]
+    "policy",
+    [rp.Cast(jnp.bfloat16), rp.Quantize(bits=8, min_bytes=0), rp.Quantize(bits=2, min_bytes=0),
+     rp.Offload()],
 )
 def test_builtins_leave_integers_and_kept_alive_inputs_alone(policy):
     profile = rp.Profile()
