@@ -183,13 +183,14 @@ def _after(arrays: list, tie) -> list:
     # Offloaded arrays stay where they are: under `vmap` the `cond` becomes a select,
     # which cannot mix host and device memory.
     on_device = [i for i, a in enumerate(arrays) if a.size and _in_device_memory(a)]
+    if not on_device:
+        return arrays
     if len(on_device) < len(arrays):
-        routed = _after([arrays[i] for i in on_device], tie) if on_device else []
+        routed = _after([arrays[i] for i in on_device], tie)
         arrays = list(arrays)
         for i, value in zip(on_device, routed):
             arrays[i] = value
         return arrays
-    nonempty = arrays
     if jax.device_count() > 1:
         # XLA's SPMD partitioner replicates what flows through a conditional, which
         # would all-gather sharded activations: with several devices, a barrier
@@ -199,7 +200,7 @@ def _after(arrays: list, tie) -> list:
         return list(lax.optimization_barrier((arrays, tie))[0])
     # Only when nothing of the backward is at hand does the probe read the packed
     # data: XLA would compute that element from the float residual, keeping it alive.
-    probe = tie if tie is not None else nonempty[0]
+    probe = tie if tie is not None else arrays[0]
     first = probe.ravel()[0].astype(jnp.float32)
     # The branches must differ: JAX inlines a `cond` whose branches are equal.
     return list(lax.cond(first == first, _identity, _copy, arrays))
@@ -407,9 +408,7 @@ def _call_hook(which: str, hook: Callable, value, info: ResidualInfo):
 def _checked(value, info: ResidualInfo):
     """`unpack`'s result, checked against the residual it stands for."""
     expected = f"{np.dtype(info.dtype).name}{list(info.shape)}"
-    if isinstance(value, np.ndarray) and not isinstance(value, jax.Array):
-        value = jnp.asarray(value) if value.dtype == info.dtype else value
-    if not isinstance(value, jax.Array):
+    if not isinstance(value, (jax.Array, np.ndarray)):
         raise HookError(
             f"`unpack` must return an array of shape {info.shape} and dtype "
             f"{np.dtype(info.dtype).name} for {info.describe()}, but it returned "
@@ -432,4 +431,4 @@ def _checked(value, info: ResidualInfo):
             f"{np.dtype(info.dtype).name} for {info.describe()}, but it returned "
             f"{got} instead of {expected}.{hint}"
         )
-    return value
+    return jnp.asarray(value)
