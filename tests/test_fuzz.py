@@ -103,7 +103,7 @@ def test_invertible_hooks_and_remat_are_close(program):
 
 @given(programs(), st.sampled_from([8, 4]))
 def test_quantizers_stay_within_their_error(program, bits):
-    ops, shape, dtype, seed = program
+    ops, shape, _, seed = program
     f, x = _build(ops), _input(shape, jnp.float32, seed)
     policy = rp.Quantize(bits=bits, min_bytes=0)
     got = np.asarray(jax.grad(residual.with_hooks(f, policy=policy))(x))
