@@ -178,7 +178,8 @@ def test_scan_stacks_the_packed_codes_and_temp_memory_shrinks():
 
 @pytest.mark.parametrize(
     "policy",
-    [rp.Identity(), rp.Cast(jnp.bfloat16), rp.Quantize(bits=8), rp.Quantize(bits=4), rp.Remat()],
+    [rp.Identity(), rp.Cast(jnp.bfloat16), rp.Quantize(bits=8), rp.Quantize(bits=4),
+     rp.Quantize(bits=4, stochastic=True), rp.Remat()],
     ids=repr,
 )
 def test_unrolled_mlp_never_uses_more_memory_than_plain(policy):
