@@ -114,3 +114,15 @@ def test_quantizers_stay_within_their_error(program, bits):
     # A loose bound: errors compound through up to four operations.
     bound = {8: 0.2, 4: 1.5}[bits]
     assert np.linalg.norm((got - expected)[finite]) <= bound * scale
+
+
+@given(programs())
+def test_float64_with_x64_identity_hooks_are_bit_identical(program):
+    ops, shape, _, seed = program
+    with jax.enable_x64(True):
+        f = _build(ops)
+        x = jax.random.normal(jax.random.key(seed), shape, jnp.float64)
+        g = residual.with_hooks(f, lambda v: v, lambda p: p)
+        got, expected = jax.jit(jax.grad(g))(x), jax.jit(jax.grad(f))(x)
+        assert got.dtype == jnp.float64
+        assert np.array_equal(np.asarray(got), np.asarray(expected), equal_nan=True)
