@@ -63,14 +63,28 @@ def hooked_call(
         analysis = trace_residuals(
             fun, xs, input_kinds, scope_prefix=scope_prefix, in_scan=in_scan
         )
-        values = jp.jaxpr_as_fun(analysis.closed)(*xs)
-        outs, residuals = values[: analysis.num_outputs], values[analysis.num_outputs :]
         policies = [
             None if residual.owned_by_inner else _policy_for(residual, base)
             for residual in analysis.residuals
         ]
         derived = _derivable(analysis.residuals, policies) if not higher_order else set()
         plans, stored = [], []
+        to_pack = {} if higher_order else {
+            r.info.index: p for r, p in zip(analysis.residuals, policies)
+            if p is not None and not r.owned_by_inner and r.info.index not in derived
+            and not getattr(p, "recompute", False)
+        }
+        packed_early: dict[int, _Packed] = {}
+        if to_pack and not in_scan:
+            values = _run_forward(analysis, xs, to_pack, stored, packed_early)
+        else:
+            values = jp.jaxpr_as_fun(analysis.closed)(*xs)
+        outs, residuals = values[: analysis.num_outputs], values[analysis.num_outputs :]
+        # Once anything is packed the program is no longer JAX's own: views of
+        # kept-alive inputs (`ws[i]`) are then re-taken in the backward, not stored.
+        views = {} if higher_order or not any(
+            p is not None for p, r in zip(policies, analysis.residuals) if not r.owned_by_inner
+        ) else _views_of_inputs(analysis, input_kinds, in_scan)
         stored_inputs: dict[int, int] = {}  # input index -> position in `stored`
         for value, residual, policy in zip(residuals, analysis.residuals, policies):
             if residual.owned_by_inner:
@@ -79,6 +93,13 @@ def hooked_call(
                 continue
             if residual.info.index in derived:
                 plan = _Derived(*residual.derivation)
+            elif policy is None and residual.info.index in views:
+                chain, j = views[residual.info.index]
+                if j not in stored_inputs:
+                    stored_inputs[j] = len(stored)
+                    stored.append(xs[j])
+                    _tag_owned(_Raw(len(stored) - 1), True, stored)
+                plan = _View(chain, stored_inputs[j])
             elif policy is None:
                 plan = _Raw(len(stored))
                 if residual.input_index is not None:
@@ -89,6 +110,8 @@ def hooked_call(
             elif higher_order:
                 plan = _Raw(len(stored))
                 stored.append(_round_trip_straight_through(policy, value, residual.info))
+            elif residual.info.index in packed_early:
+                plan = packed_early[residual.info.index]
             else:
                 plan = _pack(policy, value, residual.info, stored)
             plans.append(plan)
@@ -126,6 +149,8 @@ def hooked_call(
                 restored.update(recompute(inputs, cts))
             elif isinstance(plan, _Derived):
                 restored[i] = plan.restore(lambda j: restore(j, tie))
+            elif isinstance(plan, _View):
+                restored[i] = plan.restore(stored, tie)
             elif isinstance(plan, _Packed):
                 arrays = plan.stored(stored)
                 changed = [k for k, (_, p) in enumerate(plan.positions) if p not in plan.unchanged]
@@ -140,6 +165,51 @@ def hooked_call(
 
     run.defvjp(fwd, bwd)
     return run(*inputs)
+
+
+def _run_forward(analysis: Analysis, xs, to_pack: dict, stored: list, packed: dict) -> list:
+    """The forward, packing each residual in `to_pack` as soon as it is computed.
+
+    Packed at the end, XLA's scheduler may run a `pack` long after the value was
+    computed (several layers later in an unrolled model), keeping the floats of
+    all those layers alive at once. Here the rest of the forward reads each packed
+    value through a `lax.cond` that takes the packed arrays as operands, so they
+    are computed first, and the float can be freed after its last forward use.
+    """
+    jaxpr = analysis.closed.jaxpr
+    waiting: dict[Any, list[int]] = {}
+    for index, var in enumerate(jaxpr.outvars[analysis.num_outputs:]):
+        if index in to_pack and not isinstance(var, jp.Literal):
+            waiting.setdefault(var, []).append(index)
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, analysis.closed.consts))
+
+    def computed(variables, values):
+        for var, value in zip(variables, values):
+            for index in waiting.pop(var, ()):
+                packed[index] = _pack(to_pack[index], value, analysis.residuals[index].info, stored)
+                value = _tie_forward(value, packed[index], stored)
+            env[var] = value
+
+    computed(jaxpr.invars, xs)
+    for eqn in jaxpr.eqns:
+        values = [v.val if isinstance(v, jp.Literal) else env[v] for v in eqn.invars]
+        computed(eqn.outvars, jp.bind_equation(eqn, values))
+    return [v.val if isinstance(v, jp.Literal) else env[v] for v in jaxpr.outvars]
+
+
+def _tie_forward(value, plan: _Packed, stored: list):
+    """`value`, through a `lax.cond` that also passes (so first computes) `plan`'s arrays."""
+    changed = [p for _, p in plan.positions if p not in plan.unchanged]
+    if (not changed or not value.size or jax.device_count() > 1
+            or not jnp.issubdtype(value.dtype, jnp.inexact) or not _in_device_memory(value)
+            or not all(_in_device_memory(stored[p]) for p in changed)):
+        return value
+    first = value.ravel()[0].astype(jnp.float32)
+    arrays = [stored[p] for p in changed]
+    value, arrays = lax.cond(first == first, _identity, _copy, (value, arrays))
+    for p, array in zip(changed, arrays):
+        stored[p] = array
+    return value
 
 
 def _run_backward(backward: jp.ClosedJaxpr, n_res: int, restore: Callable, cts: list) -> list:
@@ -216,7 +286,7 @@ def _identity(x):
 
 
 def _copy(arrays):
-    return [jnp.copy(a) for a in arrays]
+    return jax.tree.map(jnp.copy, arrays)
 
 
 def _derivable(residuals: Sequence[Residual], policies) -> set[int]:
@@ -270,6 +340,65 @@ class _Recompute:
 
     def nbytes(self, stored, info):
         return 0
+
+
+class _View:
+    """Not stored: a view (`ws[i]`) of an input that stays alive, re-taken in the backward.
+
+    XLA materializes `ws[i]` as a copy; stored, that copy lives from the forward to
+    the backward (as it does without hooks). Re-taken inside a conditional tied to
+    the backward (see `_after`), it lives only around its use, and XLA cannot merge
+    it with the forward's copy.
+    """
+
+    def __init__(self, chain, position: int):
+        self.chain, self.position = chain, position
+
+    def positions_in_stored(self):
+        return []
+
+    def nbytes(self, stored, info):
+        return info.nbytes  # reported as stored as it is: the input it views is
+
+    def restore(self, stored, tie):
+        def take(x):
+            for eqn in self.chain:
+                x = jp.bind_equation(eqn, [x])[0]
+            return x
+
+        source = stored[self.position]
+        if tie is None or not _in_device_memory(source):
+            return take(source)
+        if jax.device_count() > 1:
+            return take(lax.optimization_barrier((source, tie))[0])
+        first = tie.ravel()[0].astype(jnp.float32)
+        return lax.cond(first == first, take, lambda x: jnp.copy(take(x)), source)
+
+
+def _views_of_inputs(analysis: Analysis, input_kinds, in_scan: bool) -> dict:
+    """{residual index: (view equations, input index)} for views of kept-alive inputs."""
+    if in_scan:
+        return {}
+    jaxpr = analysis.closed.jaxpr
+    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    inputs_at = {v: i for i, v in enumerate(jaxpr.invars)}
+    views = {}
+    for index, var in enumerate(jaxpr.outvars[analysis.num_outputs:]):
+        chain = []
+        while not isinstance(var, jp.Literal) and var in producers:
+            eqn = producers[var]
+            if eqn.primitive.name not in _VIEW_PRIMITIVES or len(eqn.invars) != 1:
+                break
+            chain.append(eqn)
+            var = eqn.invars[0]
+        if chain and not isinstance(var, jp.Literal) and var in inputs_at:
+            j = inputs_at[var]
+            if input_kinds[j].kept_alive:
+                views[index] = (tuple(reversed(chain)), j)
+    return views
+
+
+_VIEW_PRIMITIVES = {"slice", "squeeze", "reshape", "expand_dims", "transpose"}
 
 
 class _Derived:
