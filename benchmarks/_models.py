@@ -42,6 +42,20 @@ def checkpointed_scan_mlp(policy):
     return model
 
 
+def checkpointed_unrolled_mlp(policy):
+    """`unrolled_mlp` with `jax.checkpoint(policy=...)` on each layer."""
+
+    def layer(h, w):
+        return jnp.tanh(h @ w)
+
+    def model(ws, x):
+        for i in range(ws.shape[0]):
+            x = jax.checkpoint(layer, policy=policy)(x, ws[i])
+        return jnp.sum(x.astype(jnp.float32) ** 2)
+
+    return model
+
+
 class Block(eqx.Module):
     attention: eqx.nn.MultiheadAttention
     norm1: eqx.nn.LayerNorm
