@@ -88,15 +88,16 @@ def test_invertible_hooks_and_remat_are_close(program):
     f, x = _build(ops), _input(shape, dtype, seed)
     expected = np.asarray(jax.grad(f)(x), np.float32)
     tol = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}[dtype]
-    # Powers of two: the round trip is exact, so any difference would be a bug.
     def pack(v):
         return v * 4 if jnp.issubdtype(v.dtype, jnp.floating) else v
 
     def unpack(p):
         return p / 4 if jnp.issubdtype(p.dtype, jnp.floating) else p
 
-    exact = jax.grad(residual.with_hooks(f, pack, unpack))(x)
-    assert _same(exact, expected)
+    # Powers of two make the round trip exact, but XLA may fuse the two programs
+    # differently: equal to the last bit or two, as the issue asks (allclose).
+    inverted = np.asarray(jax.grad(residual.with_hooks(f, pack, unpack))(x), np.float32)
+    np.testing.assert_allclose(inverted, expected, rtol=tol, atol=tol)
     remat = np.asarray(jax.grad(residual.with_hooks(f, policy=rp.Remat()))(x), np.float32)
     np.testing.assert_allclose(remat, expected, rtol=tol, atol=tol)
 
