@@ -104,6 +104,10 @@ def hooked_call(
                 plan = _Raw(len(stored))
                 if residual.input_index is not None:
                     stored_inputs.setdefault(residual.input_index, len(stored))
+                    # The input itself: a `cond` that forwards it in one branch fills
+                    # the residual with zeros in the others, which recomputation
+                    # (reading it as the input) must not see.
+                    value = xs[residual.input_index]
                 stored.append(value)
             elif getattr(policy, "recompute", False):
                 plan = _Recompute()

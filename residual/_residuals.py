@@ -215,19 +215,22 @@ def _follow(var, producers, inputs_at, origin: _Origin) -> None:
         _follow(eqn.invars[k], producers, inputs_at, origin)
         return
     bodies = _inner_jaxprs(eqn, k)
-    filled = 0
+    inner = []
     for jaxpr, operands, out_index, in_scan in bodies:
         inner_origin = _Origin(scopes=[], in_scan=origin.in_scan or in_scan)
         inner_inputs = {v: i for i, v in enumerate(jaxpr.invars)}
         _follow(jaxpr.outvars[out_index], _producers(jaxpr), inner_inputs, inner_origin)
-        if inner_origin.literal or inner_origin.zeros:
-            filled += 1  # a `cond` branch filling in zeros for another branch's residual
-            continue
-        forwarded = inner_origin.input_index
-        if forwarded is not None and operands[forwarded] is not None:
-            # The body forwards one of its operands: keep walking outside.
-            _follow(operands[forwarded], producers, inputs_at, origin)
-            return
+        # A `cond` branch may fill in zeros for another branch's residual.
+        if not (inner_origin.literal or inner_origin.zeros):
+            inner.append((inner_origin, operands))
+    forwarded = {_forwarded_operand(o, operands) for o, operands in inner}
+    if len(forwarded) == 1 and None not in forwarded:
+        # Every body that sets it forwards the same operand: keep walking outside.
+        # (`cond` may merge the residuals of different branches into one output,
+        # and then it is the operand only in some of them.)
+        _follow(forwarded.pop(), producers, inputs_at, origin)
+        return
+    for inner_origin, _ in inner:
         if inner_origin.eqn is not None or inner_origin.packed:
             origin.scopes.extend([*jp.scope_names(eqn), *inner_origin.scopes])
             for field in ("eqn", "primitive", "packed", "in_scan"):
@@ -235,7 +238,7 @@ def _follow(var, producers, inputs_at, origin: _Origin) -> None:
             origin.name = origin.name or inner_origin.name
             return
         break
-    if bodies and filled == len(bodies):
+    if bodies and not inner:
         origin.literal = True
         return
     origin.scopes.extend(jp.scope_names(eqn))
@@ -244,6 +247,13 @@ def _follow(var, producers, inputs_at, origin: _Origin) -> None:
     if name in _VIEWS:
         origin.view_of_input = _viewed_input(eqn.invars[0], producers, inputs_at)
     origin.zeros = _is_filler(eqn, producers)
+
+
+def _forwarded_operand(inner_origin: _Origin, operands):
+    """The outer operand a body returns unchanged, if it does."""
+    if inner_origin.input_index is None:
+        return None
+    return operands[inner_origin.input_index]
 
 
 def _is_filler(eqn, producers) -> bool:

@@ -458,6 +458,25 @@ def test_nested_scans():
     assert any(i.primitive in {"sin", "cos"} for i in log.log)
 
 
+@pytest.mark.parametrize("taken", ["forwarding branch", "other branch"])
+def test_remat_in_a_scan_over_a_cond_that_forwards_its_operand_in_one_branch(taken):
+    # The cond's residual is its operand `c` in one branch and a zero filler in the
+    # other. Read as "the input `c`" for recomputation, the filler once gave a zero
+    # gradient (found by tests/test_fuzz.py).
+    def f(x, w):
+        def body(c, _):
+            return lax.cond(c > w, lambda a, b: jnp.abs(a), lambda a, b: a * b, c, w), None
+
+        return lax.scan(body, x, None, length=3)[0]
+
+    x, w = (jnp.float32(0.5), jnp.float32(2.5)) if taken == "forwarding branch" else (
+        jnp.float32(1.0), jnp.float32(-2.5))
+    expected = jax.grad(f, (0, 1))(x, w)
+    g = residual.with_hooks(f, policy=residual.policies.Remat())
+    assert tree_equal(jax.grad(g, (0, 1))(x, w), expected)
+    assert tree_equal(jax.jit(jax.grad(g, (0, 1)))(x, w), expected)
+
+
 # 8. Nesting ---------------------------------------------------------------------------
 
 
