@@ -99,9 +99,12 @@ def gradcheck(
     Examples:
         >>> import jax.numpy as jnp, residual
         >>> from residual import policies as rp
-        >>> result = residual.gradcheck(lambda x: jnp.sum(jnp.tanh(x) ** 2),
-        ...                             jnp.linspace(-1, 1, 64), policy=rp.Quantize(bits=8))
-        >>> result.ok
+        >>> x = jnp.linspace(-1, 1, 64 * 64).reshape(64, 64)
+        >>> result = residual.gradcheck(lambda x: jnp.sum(jnp.tanh(x) ** 2), x,
+        ...                             policy=rp.Quantize(bits=8))
+        >>> result.ok, len(result.residuals)
+        (True, 1)
+        >>> result.residuals[0].max_rel_error < 0.01
         True
     """
     inner = as_policy(pack, unpack, policy, caller="gradcheck")

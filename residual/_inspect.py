@@ -70,7 +70,9 @@ class Report:
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         text = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
         text.insert(1, "-" * len(text[0]))
-        return "\n".join([f"Residuals under {self.policy}:", *text, "", *self._summary()])
+        legend = "bytes: one iteration; x: scan iterations; stored: all iterations together"
+        return "\n".join([f"Residuals under {self.policy}:", *text, legend, "",
+                          *self._summary()])
 
     def _summary(self) -> list[str]:
         t = self.totals

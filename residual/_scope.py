@@ -92,7 +92,7 @@ class saved_tensors_hooks:
                 "`residual.disable_saved_tensors_hooks(message)`."
             )
         self._entry = entry
-        self._exits: list[contextlib.ExitStack] = []
+        self._exits: list[tuple[contextlib.ExitStack, tuple[_Entry, ...]]] = []
 
     def __enter__(self) -> saved_tensors_hooks:
         disabled = _innermost_disabled(_STACK.get())
@@ -102,7 +102,7 @@ class saved_tensors_hooks:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self._exits.pop().close()
+        _exit(self._exits)
 
 
 class disable_saved_tensors_hooks:
@@ -131,7 +131,7 @@ class disable_saved_tensors_hooks:
                 f"`error_message` must be a str, got {type(error_message).__name__}."
             )
         self._entry = _Disabled(error_message)
-        self._exits: list[contextlib.ExitStack] = []
+        self._exits: list[tuple[contextlib.ExitStack, tuple[_Entry, ...]]] = []
 
     def __enter__(self) -> disable_saved_tensors_hooks:
         stack = _STACK.get()
@@ -141,7 +141,7 @@ class disable_saved_tensors_hooks:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self._exits.pop().close()
+        _exit(self._exits)
 
 
 def current_policy() -> Policy | None:
@@ -164,7 +164,7 @@ def resolve_entry(entry: _Entry | None) -> Policy | None:
     return entry if isinstance(entry, Policy) else None
 
 
-def _push(entry: _Entry) -> contextlib.ExitStack:
+def _push(entry: _Entry) -> tuple[contextlib.ExitStack, tuple[_Entry, ...]]:
     try:
         hash(entry)
     except TypeError as e:
@@ -176,19 +176,26 @@ def _push(entry: _Entry) -> contextlib.ExitStack:
     new = (*old, entry)
     exits = contextlib.ExitStack()
     token = _STACK.set(new)
-    exits.callback(_pop, token, new)
+    exits.callback(_STACK.reset, token)
     exits.enter_context(_JIT_KEY(new))
     exits.enter_context(jax.named_scope(_marker(entry)))
-    return exits
+    return exits, new
 
 
-def _pop(token: contextvars.Token, expected: tuple[_Entry, ...]) -> None:
+def _exit(open_scopes: list[tuple[contextlib.ExitStack, tuple[_Entry, ...]]]) -> None:
+    # Checked before anything is undone: a refused exit leaves the hook stack, JAX's
+    # name stack and the jit cache key as they were, so the scopes can still be
+    # exited in the right order.
+    if not open_scopes:
+        raise RuntimeError("This hook scope was exited more often than it was entered.")
+    exits, expected = open_scopes[-1]
     if _STACK.get() is not expected:
         raise RuntimeError(
             "Hook scopes were exited out of order: the scope being exited is not the "
             "innermost one. Use `with` blocks so that inner scopes exit first."
         )
-    _STACK.reset(token)
+    open_scopes.pop()
+    exits.close()
 
 
 def _marker(entry: _Entry) -> str:

@@ -16,16 +16,21 @@ class Chain(Policy):
     """Packs with each policy in turn; unpacks in reverse order.
 
     `Chain(Quantize(bits=8), Offload())` quantizes a residual, then offloads the
-    packed codes and scales to host memory. The first policy's `resolve` decides
-    whether the chain applies to a residual; each later policy sees every array of
-    the previous one's packed form as a residual of its own (same metadata, that
-    array's shape and dtype) and may leave it as it is.
+    packed codes and scales to host memory. Each later policy sees every array of
+    the previous one's packed form as a residual of its own: the same `ResidualInfo`
+    (index, primitive, scope, ...) with that array's `shape` and `dtype`, so its
+    `resolve` may leave it as it is (`Offload` moves the `uint8` codes and the
+    scales; `Cast` would leave the codes alone). A stage whose `resolve` returns
+    `None` for the residual itself (`Quantize` on an integer residual, say) is
+    skipped, and the rest of the chain handles the residual as it is.
 
     Args:
-        *policies: two or more `residual.Policy` values.
+        *policies: two or more `residual.Policy` values. `Remat` cannot be one of
+            them: it stores nothing, so there is nothing to pass on.
 
     Raises:
-        TypeError: an argument is not a `Policy`, or fewer than two are given.
+        TypeError: an argument is not a `Policy`, is `Remat`, or fewer than two are
+            given.
 
     Examples:
         >>> from residual import policies as rp
@@ -44,6 +49,12 @@ class Chain(Policy):
                     f"`Chain` argument {i} must be a `residual.Policy`, but got "
                     f"{type(policy).__name__}: {policy!r}."
                 )
+            if getattr(policy, "recompute", False):
+                raise TypeError(
+                    f"`Chain` argument {i} is {policy!r}, which stores nothing and "
+                    "recomputes the residual: there is no packed form to pass along the "
+                    "chain. Use it on its own, or choose it per residual with `select`."
+                )
         object.__setattr__(self, "policies", tuple(policies))
 
     def __repr__(self) -> str:
@@ -54,7 +65,12 @@ class Chain(Policy):
         return all(p.lossless for p in self.policies)
 
     def resolve(self, info: ResidualInfo) -> Policy | None:
-        return self if self.policies[0].resolve(info) is not None else None
+        first = self.policies[0].resolve(info)
+        if first is not None:
+            # A `select` stage may choose `Remat`: then nothing is stored to pass on.
+            return first if getattr(first, "recompute", False) else self
+        rest = self.policies[1:]
+        return rest[0].resolve(info) if len(rest) == 1 else Chain(*rest).resolve(info)
 
     def pack(self, x, info: ResidualInfo) -> Any:
         first, *rest = self.policies
@@ -92,6 +108,12 @@ def _apply(policy: Policy, level: int, array, info: ResidualInfo):
         return array
     array_info = dataclasses.replace(info, shape=tuple(array.shape), dtype=array.dtype)
     chosen = policy.resolve(array_info)
+    if getattr(chosen, "recompute", False):
+        raise TypeError(
+            f"stage {level + 2} of a `Chain` chose {chosen!r} for a packed array of "
+            f"{info.describe()}; a packed array cannot be recomputed. Choose `Remat` in "
+            "the first stage instead."
+        )
     packed = array if chosen is None else chosen.pack(array, array_info)
     return _Stage(packed, array_info, chosen, level)
 

@@ -3,110 +3,121 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from .._info import ResidualInfo
 from .._policy import Policy
 
 
-def _as_tuple(value):
-    if value is None or isinstance(value, tuple):
-        return value
-    if isinstance(value, list):
-        return tuple(value)
-    return (value,)
+def select(
+    rules: Sequence[tuple[Callable[[ResidualInfo], bool], Policy]],
+    default: Policy | None = None,
+) -> Policy:
+    """A policy that picks, per residual, the first rule whose predicate matches.
 
-
-@dataclasses.dataclass(frozen=True)
-class where:
-    """A predicate on `ResidualInfo`: true when every given condition holds.
+    `select` only dispatches: for each residual, the policy of the first rule whose
+    predicate is true resolves it (`policy.resolve(info)`, so a built-in policy still
+    leaves alone what it always leaves alone, such as integers for `Quantize`), and
+    `default` resolves the residuals no rule matches. It is how per-residual choices
+    are written: what `jax.checkpoint` policies express (keep `dot_general` outputs,
+    recompute the rest) and more (by scope, size, dtype, `checkpoint_name`).
 
     Args:
-        dtype: a dtype or tuple of dtypes the residual must have.
-        shape: the exact shape.
-        min_bytes: at least this many bytes (per iteration inside scan bodies).
-        max_bytes: at most this many bytes.
-        primitive: name or tuple of names of the producing primitive (`"dot_general"`,
-            `"tanh"`; `None` matches any, use `is_input=True` for inputs).
-        name: `checkpoint_name` tag or tuple of tags.
-        scope: glob on the scope path, e.g. `"block*/mlp"` (`fnmatch` rules).
-        is_input: whether the residual is an input of the hooked function.
-        kept_alive: whether the value stays alive anyway.
-        in_scan: whether it is produced inside a scan body.
+        rules: a list of `(predicate, policy)` pairs, tried in order. A predicate is a
+            `where(...)` value or any hashable function of a `ResidualInfo` returning a
+            bool (it takes part in `jax.jit`'s cache key through the hook scope: prefer
+            `where`, which compares by value, to a `lambda`, which compares by identity).
+        default: the policy for residuals no rule matches; `None` stores them as they
+            are.
+
+    Returns:
+        A `residual.Policy` value, hashable and equal to any `select` of equal rules.
 
     Raises:
-        ValueError: `min_bytes`/`max_bytes` negative or crossed.
+        TypeError: `rules` is not a list of `(predicate, policy)` pairs with a callable,
+            hashable predicate and a `residual.Policy`, or `default` is not a policy.
 
     Examples:
-        >>> import jax.numpy as jnp
+        >>> import jax, jax.numpy as jnp, residual
         >>> from residual import policies as rp
-        >>> big_float = rp.where(dtype=jnp.float32, min_bytes=1 << 20)
+        >>> keep_dots = rp.select([(rp.where(primitive="dot_general"), rp.Identity())],
+        ...                       default=rp.Remat())
+        >>> keep_dots
+        select([(where(primitive='dot_general'), Identity())], default=Remat())
+        >>> f = residual.with_hooks(lambda w, x: jnp.sum(jnp.sin(x @ w)), policy=keep_dots)
+        >>> jax.grad(f)(jnp.eye(2), jnp.ones((1, 2)))
+        Array([[0.5403023, 0.5403023],
+               [0.5403023, 0.5403023]], dtype=float32)
     """
-
-    dtype: Any = None
-    shape: tuple[int, ...] | None = None
-    min_bytes: int | None = None
-    max_bytes: int | None = None
-    primitive: Any = None
-    name: Any = None
-    scope: str | None = None
-    is_input: bool | None = None
-    kept_alive: bool | None = None
-    in_scan: bool | None = None
-
-    def __post_init__(self):
-        dtypes = _as_tuple(self.dtype)
-        if dtypes is not None:
-            dtypes = tuple(np.dtype(d) for d in dtypes)
-        object.__setattr__(self, "dtype", dtypes)
-        object.__setattr__(self, "primitive", _as_tuple(self.primitive))
-        object.__setattr__(self, "name", _as_tuple(self.name))
-        if self.shape is not None:
-            object.__setattr__(self, "shape", tuple(self.shape))
-        for field in ("min_bytes", "max_bytes"):
-            value = getattr(self, field)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"`{field}` must be a non-negative int, but got {value!r}.")
-        if (
-            self.min_bytes is not None
-            and self.max_bytes is not None
-            and self.min_bytes > self.max_bytes
-        ):
-            raise ValueError(
-                f"`min_bytes` ({self.min_bytes}) is larger than `max_bytes` "
-                f"({self.max_bytes}): nothing would match."
-            )
-        if self.scope is not None and not isinstance(self.scope, str):
-            raise ValueError(f"`scope` must be a glob string, but got {self.scope!r}.")
-
-    def __call__(self, info: ResidualInfo) -> bool:
-        checks = (
-            self.dtype is None or np.dtype(info.dtype) in self.dtype,
-            self.shape is None or tuple(info.shape) == self.shape,
-            self.min_bytes is None or info.nbytes >= self.min_bytes,
-            self.max_bytes is None or info.nbytes <= self.max_bytes,
-            self.primitive is None or info.primitive in self.primitive,
-            self.name is None or info.name in self.name,
-            self.scope is None or fnmatch.fnmatchcase(info.scope, self.scope),
-            self.is_input is None or info.is_input == self.is_input,
-            self.kept_alive is None or info.kept_alive == self.kept_alive,
-            self.in_scan is None or info.in_scan == self.in_scan,
+    if _is_pair(rules):
+        raise TypeError(
+            f"`rules` must be a list of (predicate, policy) pairs, but got a single pair "
+            f"{rules!r}. Wrap it in a list: `select([(predicate, policy)])`."
         )
-        return all(checks)
+    if not isinstance(rules, Sequence) or isinstance(rules, str):
+        raise TypeError(
+            f"`rules` must be a list of (predicate, policy) pairs, but got "
+            f"{type(rules).__name__}: {rules!r}."
+        )
+    checked = []
+    for i, rule in enumerate(rules):
+        if not _is_pair(rule, check_types=False):
+            raise TypeError(
+                f"rule {i} of `select` must be a (predicate, policy) pair, but got {rule!r}."
+            )
+        predicate, policy = rule
+        if not callable(predicate) or isinstance(predicate, Policy):
+            raise TypeError(
+                f"rule {i} of `select`: the predicate must be callable (e.g. "
+                f"`rp.where(dtype=jnp.float32)`), but got {predicate!r}. Rules are "
+                "(predicate, policy) pairs, predicate first."
+            )
+        try:
+            hash(predicate)
+        except TypeError:
+            raise TypeError(
+                f"rule {i} of `select`: the predicate must be hashable (policies take "
+                f"part in `jax.jit`'s cache key), but got {type(predicate).__name__}: "
+                f"{predicate!r}. Use `rp.where(...)` or a plain function."
+            ) from None
+        if not isinstance(policy, Policy):
+            raise TypeError(
+                f"rule {i} of `select`: the policy must be a `residual.Policy`, but got "
+                f"{type(policy).__name__}: {policy!r}."
+            )
+        checked.append((predicate, policy))
+    if default is not None and not isinstance(default, Policy):
+        raise TypeError(
+            f"`default` must be a `residual.Policy` or None, but got {type(default).__name__}: "
+            f"{default!r}."
+        )
+    return _Select(tuple(checked), default)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Select(Policy):
+    """What `select` returns: dispatches each residual to one of its policies."""
+
     rules: tuple[tuple[Callable[[ResidualInfo], bool], Policy], ...]
     default: Policy | None
 
     def __repr__(self) -> str:
-        rules = ", ".join(f"{p!r}" for _, p in self.rules)
-        return f"select([{rules}], default={self.default!r})"
+        rules = ", ".join(f"({pred!r}, {policy!r})" for pred, policy in self.rules)
+        default = "" if self.default is None else f", default={self.default!r}"
+        return f"select([{rules}]{default})"
+
+    @property
+    def lossless(self) -> bool:  # type: ignore[override]
+        """Lossless when every policy it may choose is."""
+        chosen = [policy for _, policy in self.rules]
+        chosen += [] if self.default is None else [self.default]
+        return all(policy.lossless for policy in chosen)
 
     def resolve(self, info: ResidualInfo) -> Policy | None:
         for predicate, policy in self.rules:
@@ -121,52 +132,217 @@ class _Select(Policy):
         raise TypeError("`select` only dispatches; `resolve` picks the policy that unpacks.")
 
 
-def select(
-    rules: Sequence[tuple[Callable[[ResidualInfo], bool], Policy]],
-    default: Policy | None = None,
-) -> Policy:
-    """A policy that picks, per residual, the first rule whose predicate matches.
+def where(
+    *,
+    dtype: Any = None,
+    shape: Sequence[int] | None = None,
+    min_bytes: int | None = None,
+    max_bytes: int | None = None,
+    primitive: str | Sequence[str] | None = None,
+    name: str | Sequence[str] | None = None,
+    scope: str | None = None,
+    is_input: bool | None = None,
+    kept_alive: bool | None = None,
+    in_scan: bool | None = None,
+    **unknown: Any,
+) -> Callable[[ResidualInfo], bool]:
+    """A predicate on `ResidualInfo`: true when every condition given holds.
+
+    Conditions left as `None` are not checked, so `where()` matches every residual.
+    The result is a frozen, hashable value that compares by its conditions, so a
+    `select` built from it is a policy value `jax.jit` can cache on.
 
     Args:
-        rules: `(predicate, policy)` pairs; a predicate is a `where(...)` value or
-            any hashable function of a `ResidualInfo` returning a bool.
-        default: the policy for residuals no rule matches; `None` stores them as they
-            are.
+        dtype: a dtype, or a tuple of them, the residual must have. Abstract dtypes such
+            as `jnp.floating` or `jnp.integer` match their whole family.
+        shape: the exact shape (per iteration inside a scan body).
+        min_bytes: at least this many bytes (per iteration inside a scan body).
+        max_bytes: at most this many bytes.
+        primitive: name or tuple of names of the primitive that produced it
+            (`"dot_general"`, `"tanh"`); inputs have no primitive, so use
+            `is_input=True` for them.
+        name: a `jax.ad_checkpoint.checkpoint_name` tag, or a tuple of them.
+        scope: a glob on the scope path (`fnmatch` rules, case-sensitive), e.g.
+            `"block*/mlp"`; `""` is the top level.
+        is_input: whether it is an input of the hooked function (or a scan body's carry,
+            slice or loop-invariant operand).
+        kept_alive: whether the value stays alive anyway (see `ResidualInfo.kept_alive`).
+        in_scan: whether it is produced inside a `lax.scan` body.
 
     Returns:
-        A `residual.Policy` value.
+        A hashable predicate: call it on a `ResidualInfo` to get a bool.
 
     Raises:
-        TypeError: a rule is not a `(predicate, policy)` pair of the right types.
+        TypeError: an unknown condition, or a condition of the wrong type.
+        ValueError: `min_bytes`/`max_bytes` negative or crossed, or a negative dimension.
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> from residual import policies as rp
-        >>> p = rp.select(
-        ...     [(rp.where(dtype=jnp.float32, min_bytes=1 << 20), rp.Quantize(bits=8)),
-        ...      (rp.where(primitive="dot_general"), rp.Identity())],
-        ...     default=rp.Remat())
+        >>> from residual import ResidualInfo, policies as rp
+        >>> big_float = rp.where(dtype=jnp.floating, min_bytes=1 << 20)
+        >>> big_float
+        where(dtype=floating, min_bytes=1048576)
+        >>> big_float(ResidualInfo(index=0, shape=(1024, 1024), dtype=jnp.dtype("float32")))
+        True
+        >>> rp.where(scope="block*/mlp")(ResidualInfo(0, (4,), jnp.dtype("int32"), scope="x"))
+        False
     """
-    checked = []
-    for i, rule in enumerate(rules):
-        if not (isinstance(rule, tuple | list) and len(rule) == 2):
-            raise TypeError(
-                f"rule {i} of `select` must be a (predicate, policy) pair, but got {rule!r}."
-            )
-        predicate, policy = rule
-        if not callable(predicate):
-            raise TypeError(
-                f"rule {i} of `select`: the predicate must be callable (e.g. "
-                f"`rp.where(dtype=jnp.float32)`), but got {predicate!r}."
-            )
-        if not isinstance(policy, Policy):
-            raise TypeError(
-                f"rule {i} of `select`: the policy must be a `residual.Policy`, but got "
-                f"{type(policy).__name__}: {policy!r}."
-            )
-        checked.append((predicate, policy))
-    if default is not None and not isinstance(default, Policy):
+    if unknown:
+        fields = [f.name for f in dataclasses.fields(_Where)]
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hints.append(f"`{key}`" + (f" (did you mean `{close[0]}`?)" if close else ""))
         raise TypeError(
-            f"`default` must be a `residual.Policy` or None, but got {type(default).__name__}."
+            f"`where` got unknown condition(s) {', '.join(hints)}; the conditions are "
+            f"{', '.join(fields)}."
         )
-    return _Select(tuple(checked), default)
+    return _Where(
+        dtype=_dtypes(dtype),
+        shape=_shape(shape),
+        min_bytes=_byte_count("min_bytes", min_bytes),
+        max_bytes=_byte_count("max_bytes", max_bytes),
+        primitive=_strings("primitive", primitive),
+        name=_strings("name", name),
+        scope=_glob(scope),
+        is_input=_flag("is_input", is_input),
+        kept_alive=_flag("kept_alive", kept_alive),
+        in_scan=_flag("in_scan", in_scan),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Where:
+    """What `where` returns: its conditions, normalized (tuples of dtypes and names)."""
+
+    dtype: tuple[Any, ...] | None = None
+    shape: tuple[int, ...] | None = None
+    min_bytes: int | None = None
+    max_bytes: int | None = None
+    primitive: tuple[str, ...] | None = None
+    name: tuple[str, ...] | None = None
+    scope: str | None = None
+    is_input: bool | None = None
+    kept_alive: bool | None = None
+    in_scan: bool | None = None
+
+    def __post_init__(self):
+        if (
+            self.min_bytes is not None
+            and self.max_bytes is not None
+            and self.min_bytes > self.max_bytes
+        ):
+            raise ValueError(
+                f"`min_bytes` ({self.min_bytes}) is larger than `max_bytes` "
+                f"({self.max_bytes}): nothing would match."
+            )
+
+    def __call__(self, info: ResidualInfo) -> bool:
+        checks = (
+            self.dtype is None or any(jnp.issubdtype(info.dtype, d) for d in self.dtype),
+            self.shape is None or tuple(info.shape) == self.shape,
+            self.min_bytes is None or info.nbytes >= self.min_bytes,
+            self.max_bytes is None or info.nbytes <= self.max_bytes,
+            self.primitive is None or info.primitive in self.primitive,
+            self.name is None or info.name in self.name,
+            self.scope is None or fnmatch.fnmatchcase(info.scope, self.scope),
+            self.is_input is None or info.is_input == self.is_input,
+            self.kept_alive is None or info.kept_alive == self.kept_alive,
+            self.in_scan is None or info.in_scan == self.in_scan,
+        )
+        return all(checks)
+
+    def __repr__(self) -> str:
+        parts = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is None:
+                continue
+            if field.name == "dtype":
+                names = [_dtype_name(d) for d in value]
+                shown = names[0] if len(names) == 1 else f"({', '.join(names)})"
+            elif isinstance(value, tuple) and field.name != "shape" and len(value) == 1:
+                shown = repr(value[0])
+            else:
+                shown = repr(value)
+            parts.append(f"{field.name}={shown}")
+        return f"where({', '.join(parts)})"
+
+
+def _is_pair(value, check_types: bool = True) -> bool:
+    if not (isinstance(value, tuple | list) and len(value) == 2):
+        return False
+    return not check_types or (callable(value[0]) and isinstance(value[1], Policy))
+
+
+def _dtypes(dtype) -> tuple[Any, ...] | None:
+    if dtype is None:
+        return None
+    result = []
+    for d in dtype if isinstance(dtype, tuple | list) else (dtype,):
+        if isinstance(d, type) and issubclass(d, np.generic) and d in _ABSTRACT:
+            result.append(d)
+            continue
+        try:
+            result.append(np.dtype(d))
+        except TypeError:
+            raise TypeError(
+                f"`dtype` must be a dtype (`jnp.float32`, `\"bfloat16\"`), an abstract one "
+                f"(`jnp.floating`), or a tuple of them, but got {d!r}."
+            ) from None
+    return tuple(result)
+
+
+# Abstract dtypes `where(dtype=...)` accepts as families (`np.dtype` would refuse them).
+_ABSTRACT = (
+    np.generic, np.number, np.inexact, np.floating, np.complexfloating, np.integer,
+    np.signedinteger, np.unsignedinteger, np.bool_,
+)
+
+
+def _dtype_name(d) -> str:
+    return d.__name__ if isinstance(d, type) else np.dtype(d).name
+
+
+def _shape(shape) -> tuple[int, ...] | None:
+    if shape is None:
+        return None
+    dims = tuple(shape) if isinstance(shape, tuple | list) else None
+    if dims is None or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        raise TypeError(f"`shape` must be a tuple of ints, e.g. (4096, 1024), but got {shape!r}.")
+    if any(d < 0 for d in dims):
+        raise ValueError(f"`shape` must have non-negative dimensions, but got {shape!r}.")
+    return dims
+
+
+def _byte_count(label: str, value) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int | np.integer) or isinstance(value, bool):
+        raise TypeError(f"`{label}` must be an int number of bytes, but got {value!r}.")
+    if value < 0:
+        raise ValueError(f"`{label}` must be a non-negative int, but got {value!r}.")
+    return int(value)
+
+
+def _strings(label: str, value) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    values = tuple(value) if isinstance(value, tuple | list) else (value,)
+    if not values or not all(isinstance(v, str) for v in values):
+        raise TypeError(
+            f"`{label}` must be a string or a non-empty tuple of strings, but got {value!r}."
+        )
+    return values
+
+
+def _glob(scope) -> str | None:
+    if scope is not None and not isinstance(scope, str):
+        raise TypeError(f"`scope` must be a glob string such as 'block*/mlp', but got {scope!r}.")
+    return scope
+
+
+def _flag(label: str, value) -> bool | None:
+    if value is not None and not isinstance(value, bool | np.bool_):
+        raise TypeError(f"`{label}` must be True, False or None, but got {value!r}.")
+    return None if value is None else bool(value)
