@@ -1,4 +1,22 @@
+import os
+
 import jax
+from hypothesis import HealthCheck, Phase, settings
 
 # Strict promotion catches a hook or policy that changes dtypes by accident.
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+# Property tests (tests/test_fuzz.py): a bounded profile for CI, a long one on request
+# with `RESIDUAL_FUZZ_PROFILE=long`. Programs are traced and compiled per example, so
+# there is no per-example deadline.
+_QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("ci", max_examples=20, deadline=None, suppress_health_check=_QUIET)
+settings.register_profile(
+    "long", max_examples=1000, deadline=None, suppress_health_check=_QUIET
+)
+# `debug`: report failures as found, without the (slow) search for a smaller example.
+settings.register_profile(
+    "debug", max_examples=30, deadline=None, suppress_health_check=_QUIET,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)
+settings.load_profile(os.environ.get("RESIDUAL_FUZZ_PROFILE", "ci"))
