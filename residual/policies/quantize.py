@@ -126,28 +126,34 @@ class Quantize(Policy):
         # Plain max and min read the data directly: no float temporary the size of
         # the residual (an absmax over `where(isfinite, abs, 0)` is one, on CPU).
         # A NaN or Inf shows in them; only then does the slower exact path run.
-        hi = jnp.max(groups, axis=1, initial=-jnp.inf)
-        lo = jnp.min(groups, axis=1, initial=jnp.inf)
-        clean = jnp.isfinite(hi) & jnp.isfinite(lo) | (groups.shape[1] == 0)
+        hi = jnp.max(groups, axis=-1, initial=-jnp.inf)
+        lo = jnp.min(groups, axis=-1, initial=jnp.inf)
+        clean = jnp.isfinite(hi) & jnp.isfinite(lo) | (groups.shape[-1] == 0)
         # The key, not the noise, goes into the `cond`: an operand the size of the
         # residual would be materialized whole.
         key = _key(self.seed, info.index, x) if self.stochastic else None
         fast = functools.partial(self._pack_clean, key=key)
         slow = functools.partial(self._pack_any, key=key)
         codes, scale = lax.cond(jnp.all(clean), fast, slow, groups, jnp.maximum(hi, -lo))
+        # Codes keep the residual's layout (`[..., last]`, or `[..., last * bits / 8]`
+        # bytes) and scales its leading axes (`[..., groups]`): under `jit` with
+        # sharded activations they stay sharded like the residual. Merging axes (a
+        # flat `(groups, group_size)` or a `ravel`) would make XLA's partitioner
+        # replicate a residual sharded along its last axis (tensor parallelism).
+        codes = codes.reshape(_codes_shape(x.shape, self.group_size))
         if self.format == "int":
-            codes = _pack_codes(codes.ravel(), self.bits)
+            codes = _pack_codes(codes, self.bits)
         return {"codes": codes, "scale": scale}
 
     def _pack_clean(self, groups, absmax, key):
         """All values finite: every code is a value."""
-        return self._codes(groups, absmax, jnp.zeros(absmax.shape, bool), key)
+        return self._codes(groups, absmax, jnp.zeros_like(absmax, dtype=bool), key)
 
     def _pack_any(self, groups, absmax, key):
         """Some values are NaN or Inf: scales from the finite ones, code 0 for the rest."""
         finite = jnp.isfinite(groups)
-        absmax = jnp.max(jnp.where(finite, jnp.abs(groups), 0.0), axis=1, initial=0.0)
-        codes, scale = self._codes(groups, absmax, ~jnp.all(finite, axis=1), key)
+        absmax = jnp.max(jnp.where(finite, jnp.abs(groups), 0.0), axis=-1, initial=0.0)
+        codes, scale = self._codes(groups, absmax, ~jnp.all(finite, axis=-1), key)
         if self.format == "int":
             codes = jnp.where(finite, codes, jnp.uint8(0))
         return codes, scale
@@ -156,7 +162,7 @@ class Quantize(Policy):
         if self.format != "int":
             top = float(jnp.finfo(_FP8[self.format]).max)
             scale = (absmax / top).astype(self.scale_dtype)
-            safe = jnp.where(scale > 0, scale.astype(jnp.float32), 1.0)[:, None]
+            safe = jnp.where(scale > 0, scale.astype(jnp.float32), 1.0)[..., None]
             return (groups / safe).astype(_FP8[self.format]), scale
         half = 2 ** (self.bits - 1)
         # Clean groups use all 2^b codes, on an even grid from -m to m. Groups holding
@@ -166,8 +172,8 @@ class Quantize(Policy):
         # Quantize with the scale as stored, so unpack sees exactly what pack used.
         scale = (absmax / steps).astype(self.scale_dtype)
         step = scale.astype(jnp.float32)
-        safe = jnp.where(step > 0, step, 1.0)[:, None]
-        offset = jnp.where(broken, 0.0, half - 0.5)[:, None]
+        safe = jnp.where(step > 0, step, 1.0)[..., None]
+        offset = jnp.where(broken, 0.0, half - 0.5)[..., None]
         position = groups / safe + offset  # in [-(half - 1), half - 1] or [0, 2^b - 1]
         if key is None:
             rounded = jnp.round(position)
@@ -176,52 +182,78 @@ class Quantize(Policy):
             # to within 1/512 of a step, at a quarter of the temporary of float noise.
             bits = _random_bytes(key, position.shape)
             rounded = jnp.floor(position + (bits.astype(jnp.float32) + 0.5) / 256)
-        low = jnp.where(broken, 1 - half, 0)[:, None]
-        high = jnp.where(broken, half - 1, 2 * half - 1)[:, None]
-        codes = jnp.clip(rounded, low, high) + jnp.where(broken, half, 0)[:, None]
+        low = jnp.where(broken, 1 - half, 0)[..., None]
+        high = jnp.where(broken, half - 1, 2 * half - 1)[..., None]
+        codes = jnp.clip(rounded, low, high) + jnp.where(broken, half, 0)[..., None]
         # NaN codes (non-finite inputs) become 0 in `_pack_any`; cast them safely here.
         codes = jnp.where(jnp.isnan(codes), 0, codes).astype(jnp.uint8)
         return codes, jnp.where(broken, -scale, scale)
 
     def unpack(self, packed: dict[str, jnp.ndarray], info: ResidualInfo) -> jnp.ndarray:
-        scale = packed["scale"].astype(jnp.float32)[:, None]
-        n_groups = scale.shape[0]
+        scale = packed["scale"].astype(jnp.float32)[..., None]
+        shape = _group_shape(info.shape, self.group_size)
         if self.format != "int":
-            values = packed["codes"].astype(jnp.float32) * scale
+            values = packed["codes"].reshape(shape).astype(jnp.float32) * scale
             return values.reshape(info.shape).astype(info.dtype)
         half = 2 ** (self.bits - 1)
         broken = jnp.signbit(scale)
-        codes = _unpack_codes(packed["codes"], self.bits, info.size).reshape(n_groups, -1)
+        codes = _unpack_codes(packed["codes"], self.bits, info.size).reshape(shape)
         position = codes.astype(jnp.float32) - jnp.where(broken, half, half - 0.5)
         values = position * jnp.abs(scale)
         values = jnp.where(broken & (codes == 0), jnp.nan, values)
         return values.reshape(info.shape).astype(info.dtype)
 
 
+def _splits_last_axis(shape: tuple[int, ...], group_size: int) -> bool:
+    return len(shape) >= 1 and shape[-1] % group_size == 0 and math.prod(shape) > 0
+
+
+def _group_shape(shape: tuple[int, ...], group_size: int) -> tuple[int, ...]:
+    """`[..., last // group_size, group_size]`, or `(1, size)`: one group for the tensor.
+
+    Only the last axis is split, never merged with others: a residual sharded along
+    any axis keeps its groups, scales and codes on the devices that hold it.
+    """
+    if _splits_last_axis(shape, group_size):
+        return (*shape[:-1], shape[-1] // group_size, group_size)
+    return (1, math.prod(shape))
+
+
 def _grouped(x: jnp.ndarray, group_size: int) -> jnp.ndarray:
-    """(groups, group_size) view along the last axis, or one group for the whole tensor."""
-    if x.ndim >= 1 and x.shape[-1] % group_size == 0 and x.size > 0:
-        return x.reshape(-1, group_size)
-    return x.reshape(1, -1)
+    return x.reshape(_group_shape(x.shape, group_size))
+
+
+def _codes_shape(shape: tuple[int, ...], group_size: int) -> tuple[int, ...]:
+    """The residual's own shape, or one flat axis for the per-tensor fallback."""
+    return tuple(shape) if _splits_last_axis(shape, group_size) else (math.prod(shape),)
 
 
 def _pack_codes(codes: jnp.ndarray, bits: int) -> jnp.ndarray:
-    """Packs `8 // bits` codes per byte, little end first."""
+    """Packs `8 // bits` codes per byte, little end first, along the last axis.
+
+    Along the last axis when its length is a multiple of `8 // bits` (no axis is
+    merged, so sharded codes stay sharded); flattened and padded otherwise.
+    """
     per_byte = 8 // bits
     if per_byte == 1:
         return codes
-    padded = jnp.pad(codes, (0, -codes.size % per_byte)).reshape(-1, per_byte)
+    if codes.ndim < 1 or codes.shape[-1] % per_byte:
+        codes = jnp.pad(codes.ravel(), (0, -codes.size % per_byte))
+    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
     shifts = jnp.arange(per_byte, dtype=jnp.uint8) * jnp.uint8(bits)
-    return jnp.bitwise_or.reduce(padded << shifts, axis=1).astype(jnp.uint8)
+    return jnp.bitwise_or.reduce(grouped << shifts, axis=-1).astype(jnp.uint8)
 
 
 def _unpack_codes(packed: jnp.ndarray, bits: int, size: int) -> jnp.ndarray:
+    """Codes from `_pack_codes`: `[..., last]` along the last axis, or flat."""
     per_byte = 8 // bits
     if per_byte == 1:
         return packed
     shifts = jnp.arange(per_byte, dtype=jnp.uint8) * jnp.uint8(bits)
     mask = jnp.uint8(2**bits - 1)
-    return ((packed[:, None] >> shifts) & mask).reshape(-1)[:size]
+    codes = (packed[..., None] >> shifts) & mask
+    codes = codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
+    return codes if codes.size == size else codes.reshape(-1)[:size]
 
 
 def _random_bytes(key: jax.Array, shape: tuple[int, ...]) -> jnp.ndarray:
