@@ -13,17 +13,27 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 from . import _jax_private as jp
-from ._errors import HookError
 from ._info import ResidualInfo
+from ._plans import (
+    Derived,
+    Packed,
+    PlannedRecompute,
+    Raw,
+    Recompute,
+    View,
+    call_hook,
+    checked,
+    in_device_memory,
+    pack,
+    tag_owned,
+)
 from ._policy import FunctionHooks, Policy
 from ._record import Record, record
 from ._residuals import (
-    OWNED_NAME,
+    VIEWS,
     Analysis,
     InputKind,
     Residual,
@@ -74,7 +84,7 @@ def hooked_call(
             if p is not None and not r.owned_by_inner and r.info.index not in derived
             and not getattr(p, "recompute", False)
         }
-        packed_early: dict[int, _Packed] = {}
+        packed_early: dict[int, Packed] = {}
         if to_pack and not in_scan:
             values = _run_forward(analysis, xs, to_pack, stored, packed_early)
         else:
@@ -88,20 +98,20 @@ def hooked_call(
         stored_inputs: dict[int, int] = {}  # input index -> position in `stored`
         for value, residual, policy in zip(residuals, analysis.residuals, policies):
             if residual.owned_by_inner:
-                plans.append(_Raw(len(stored)))
+                plans.append(Raw(len(stored)))
                 stored.append(value)
                 continue
             if residual.info.index in derived:
-                plan = _Derived(*residual.derivation)
+                plan = Derived(*residual.derivation)
             elif policy is None and residual.info.index in views:
                 chain, j = views[residual.info.index]
                 if j not in stored_inputs:
                     stored_inputs[j] = len(stored)
                     stored.append(xs[j])
-                    _tag_owned(_Raw(len(stored) - 1), True, stored)
-                plan = _View(chain, stored_inputs[j])
+                    tag_owned(Raw(len(stored) - 1), True, stored)
+                plan = View(chain, stored_inputs[j])
             elif policy is None:
-                plan = _Raw(len(stored))
+                plan = Raw(len(stored))
                 if residual.input_index is not None:
                     stored_inputs.setdefault(residual.input_index, len(stored))
                     # The input itself: a `cond` that forwards it in one branch fills
@@ -110,29 +120,29 @@ def hooked_call(
                     value = xs[residual.input_index]
                 stored.append(value)
             elif getattr(policy, "recompute", False):
-                plan = _Recompute()
+                plan = Recompute()
             elif higher_order:
-                plan = _Raw(len(stored))
+                plan = Raw(len(stored))
                 stored.append(_round_trip_straight_through(policy, value, residual.info))
             elif residual.info.index in packed_early:
                 plan = packed_early[residual.info.index]
             else:
-                plan = _pack(policy, value, residual.info, stored)
+                plan = pack(policy, value, residual.info, stored)
             plans.append(plan)
-            _tag_owned(plan, residual.info.kept_alive, stored)
+            tag_owned(plan, residual.info.kept_alive, stored)
             # A scan body's sliced or loop-invariant operand, stored as it is, is
             # the scan's operand: the enclosing call sees and reports it.
-            if not (in_scan and residual.info.kept_alive and isinstance(plan, _Raw)):
+            if not (in_scan and residual.info.kept_alive and isinstance(plan, Raw)):
                 record(Record(residual.info, policy, plan.nbytes(stored, residual.info),
                               iterations or 1))
         recompute = None
-        if any(isinstance(p, _Recompute) for p in plans):
-            recompute = _PlannedRecompute(analysis, plans)
+        if any(isinstance(p, Recompute) for p in plans):
+            recompute = PlannedRecompute(analysis, plans)
             for i in recompute.needed_inputs:
                 if i not in stored_inputs:
                     stored_inputs[i] = len(stored)
                     stored.append(xs[i])
-                    _tag_owned(_Raw(len(stored) - 1), input_kinds[i].kept_alive, stored)
+                    tag_owned(Raw(len(stored) - 1), input_kinds[i].kept_alive, stored)
         state.update(analysis=analysis, plans=plans, recompute=recompute,
                      stored_inputs=stored_inputs,
                      backward=backward_jaxpr(analysis, residuals, outs))
@@ -148,14 +158,14 @@ def hooked_call(
             if i in restored:
                 return restored[i]
             plan, info = plans[i], analysis.residuals[i].info
-            if isinstance(plan, _Recompute):
+            if isinstance(plan, Recompute):
                 inputs = [stored[state["stored_inputs"][j]] for j in recompute.needed_inputs]
                 restored.update(recompute(inputs, cts))
-            elif isinstance(plan, _Derived):
+            elif isinstance(plan, Derived):
                 restored[i] = plan.restore(lambda j: restore(j, tie))
-            elif isinstance(plan, _View):
+            elif isinstance(plan, View):
                 restored[i] = plan.restore(stored, tie)
-            elif isinstance(plan, _Packed):
+            elif isinstance(plan, Packed):
                 arrays = plan.stored(stored)
                 changed = [k for k, (_, p) in enumerate(plan.positions) if p not in plan.unchanged]
                 for k, array in zip(changed, _after([arrays[k] for k in changed], tie)):
@@ -190,7 +200,7 @@ def _run_forward(analysis: Analysis, xs, to_pack: dict, stored: list, packed: di
     def computed(variables, values):
         for var, value in zip(variables, values):
             for index in waiting.pop(var, ()):
-                packed[index] = _pack(to_pack[index], value, analysis.residuals[index].info, stored)
+                packed[index] = pack(to_pack[index], value, analysis.residuals[index].info, stored)
                 value = _tie_forward(value, packed[index], stored)
             env[var] = value
 
@@ -201,12 +211,12 @@ def _run_forward(analysis: Analysis, xs, to_pack: dict, stored: list, packed: di
     return [v.val if isinstance(v, jp.Literal) else env[v] for v in jaxpr.outvars]
 
 
-def _tie_forward(value, plan: _Packed, stored: list):
+def _tie_forward(value, plan: Packed, stored: list):
     """`value`, through a `lax.cond` that also passes (so first computes) `plan`'s arrays."""
     changed = [p for _, p in plan.positions if p not in plan.unchanged]
     if (not changed or not value.size or jax.device_count() > 1
-            or not jnp.issubdtype(value.dtype, jnp.inexact) or not _in_device_memory(value)
-            or not all(_in_device_memory(stored[p]) for p in changed)):
+            or not jnp.issubdtype(value.dtype, jnp.inexact) or not in_device_memory(value)
+            or not all(in_device_memory(stored[p]) for p in changed)):
         return value
     first = value.ravel()[0].astype(jnp.float32)
     arrays = [stored[p] for p in changed]
@@ -256,7 +266,7 @@ def _after(arrays: list, tie) -> list:
     """
     # Offloaded arrays stay where they are: under `vmap` the `cond` becomes a select,
     # which cannot mix host and device memory.
-    on_device = [i for i, a in enumerate(arrays) if a.size and _in_device_memory(a)]
+    on_device = [i for i, a in enumerate(arrays) if a.size and in_device_memory(a)]
     if not on_device:
         return arrays
     if len(on_device) < len(arrays):
@@ -278,11 +288,6 @@ def _after(arrays: list, tie) -> list:
     first = probe.ravel()[0].astype(jnp.float32)
     # The branches must differ: JAX inlines a `cond` whose branches are equal.
     return list(lax.cond(first == first, _identity, _copy, arrays))
-
-
-def _in_device_memory(array) -> bool:
-    space = getattr(jax.typeof(array), "memory_space", None)
-    return space is None or space == jax.memory.Space.Device
 
 
 def _identity(x):
@@ -320,65 +325,6 @@ def _policy_for(residual: Residual, base: Policy | None) -> Policy | None:
     return None if policy is None else policy.resolve(residual.info)
 
 
-class _Raw:
-    """Stored as it is."""
-
-    def __init__(self, position: int):
-        self.position = position
-
-    def positions_in_stored(self):
-        return [self.position]
-
-    def restore(self, stored, info):
-        return stored[self.position]
-
-    def nbytes(self, stored, info):
-        return info.nbytes
-
-
-class _Recompute:
-    """Not stored: recomputed in the backward from the function's inputs."""
-
-    def positions_in_stored(self):
-        return []
-
-    def nbytes(self, stored, info):
-        return 0
-
-
-class _View:
-    """Not stored: a view (`ws[i]`) of an input that stays alive, re-taken in the backward.
-
-    XLA materializes `ws[i]` as a copy; stored, that copy lives from the forward to
-    the backward (as it does without hooks). Re-taken inside a conditional tied to
-    the backward (see `_after`), it lives only around its use, and XLA cannot merge
-    it with the forward's copy.
-    """
-
-    def __init__(self, chain, position: int):
-        self.chain, self.position = chain, position
-
-    def positions_in_stored(self):
-        return []
-
-    def nbytes(self, stored, info):
-        return info.nbytes  # reported as stored as it is: the input it views is
-
-    def restore(self, stored, tie):
-        def take(x):
-            for eqn in self.chain:
-                x = jp.bind_equation(eqn, [x])[0]
-            return x
-
-        source = stored[self.position]
-        if tie is None or not _in_device_memory(source):
-            return take(source)
-        if jax.device_count() > 1:
-            return take(lax.optimization_barrier((source, tie))[0])
-        first = tie.ravel()[0].astype(jnp.float32)
-        return lax.cond(first == first, take, lambda x: jnp.copy(take(x)), source)
-
-
 def _views_of_inputs(analysis: Analysis, input_kinds, in_scan: bool) -> dict:
     """{residual index: (view equations, input index)} for views of kept-alive inputs."""
     if in_scan:
@@ -391,7 +337,8 @@ def _views_of_inputs(analysis: Analysis, input_kinds, in_scan: bool) -> dict:
         chain = []
         while not isinstance(var, jp.Literal) and var in producers:
             eqn = producers[var]
-            if eqn.primitive.name not in _VIEW_PRIMITIVES or len(eqn.invars) != 1:
+            # One operand: a `dynamic_slice` (which has index operands too) is stored.
+            if eqn.primitive.name not in VIEWS or len(eqn.invars) != 1:
                 break
             chain.append(eqn)
             var = eqn.invars[0]
@@ -400,88 +347,6 @@ def _views_of_inputs(analysis: Analysis, input_kinds, in_scan: bool) -> dict:
             if input_kinds[j].kept_alive:
                 views[index] = (tuple(reversed(chain)), j)
     return views
-
-
-_VIEW_PRIMITIVES = {"slice", "squeeze", "reshape", "expand_dims", "transpose"}
-
-
-class _Derived:
-    """Not stored: a cheap elementwise function of other residuals, recomputed from them.
-
-    JAX's residuals often include both `y` and `1 - y` (tanh's derivative). XLA
-    stores only `y` without hooks, fusing `1 - y` into the backward; packing both
-    would store twice as much as needed. So the backward derives it from the
-    restored `y` instead.
-    """
-
-    def __init__(self, eqn, operands):
-        self.eqn, self.operands = eqn, operands
-
-    def positions_in_stored(self):
-        return []
-
-    def nbytes(self, stored, info):
-        return 0
-
-    def restore(self, residual):
-        values = [residual(o) if isinstance(o, int) else o.value for o in self.operands]
-        return jp.bind_equation(self.eqn, values)[0]
-
-
-class _Packed:
-    """Stored as the arrays of `pack`'s result; its static parts stay in Python."""
-
-    def __init__(self, policy, treedef, leaves, positions, unchanged):
-        self.policy, self.treedef, self.leaves, self.positions = (
-            policy, treedef, leaves, positions
-        )
-        self.unchanged = unchanged  # positions holding the residual itself, unchanged
-
-    def positions_in_stored(self):
-        return [position for _, position in self.positions]
-
-    def nbytes(self, stored, info):
-        return sum(stored[p].size * stored[p].dtype.itemsize for p in self.positions_in_stored())
-
-    def stored(self, stored) -> list:
-        """This residual's arrays among `stored`, in `positions` order."""
-        return [stored[position] for _, position in self.positions]
-
-    def restore(self, arrays, info):
-        leaves = list(self.leaves)
-        for (leaf_index, _), array in zip(self.positions, arrays):
-            leaves[leaf_index] = array
-        packed = jax.tree.unflatten(self.treedef, leaves)
-        value = _call_hook("unpack", self.policy.unpack, packed, info)
-        return _checked(value, info)
-
-
-def _pack(policy: Policy, value, info: ResidualInfo, stored: list) -> _Packed:
-    packed = _call_hook("pack", policy.pack, value, info)
-    leaves, treedef = jax.tree.flatten(packed)
-    positions, unchanged = [], set()
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, (jax.Array, np.ndarray)):
-            if leaf is value:
-                unchanged.add(len(stored))
-            positions.append((i, len(stored)))
-            stored.append(leaf if leaf is value else jnp.asarray(leaf))
-            leaves[i] = None
-    return _Packed(policy, treedef, leaves, positions, unchanged)
-
-
-def _tag_owned(plan, kept_alive: bool, stored: list) -> None:
-    """Tags what `plan` stored, so that an enclosing hooked call leaves it alone.
-
-    An operand that stays alive anyway and is stored as it is stays untagged: the tag
-    would hide from `lax.scan` that the residual is just its operand, and the scan
-    would copy it. The enclosing call then sees it as its own value, which it is.
-    """
-    for position in plan.positions_in_stored():
-        value = stored[position]
-        if kept_alive and (isinstance(plan, _Raw) or position in plan.unchanged):
-            continue
-        stored[position] = checkpoint_name(value, OWNED_NAME)
 
 
 def _round_trip_straight_through(policy: Policy, value, info: ResidualInfo):
@@ -493,8 +358,8 @@ def _round_trip_straight_through(policy: Policy, value, info: ResidualInfo):
     wrong (100% wrong for an int8 cast). As PyTorch restores the autograd history of
     an unpacked tensor, the round trip here is transparent to differentiation.
     """
-    packed = _call_hook("pack", policy.pack, lax.stop_gradient(value), info)
-    unpacked = _checked(_call_hook("unpack", policy.unpack, packed, info), info)
+    packed = call_hook("pack", policy.pack, lax.stop_gradient(value), info)
+    unpacked = checked(call_hook("unpack", policy.unpack, packed, info), info)
     return _straight_through(value, unpacked)
 
 
@@ -507,61 +372,3 @@ def _straight_through(x, y):
 def _straight_through_jvp(primals, tangents):
     return primals[1], tangents[0]
 
-
-class _PlannedRecompute:
-    """The slice of the forward that produces the residuals marked `_Recompute`."""
-
-    def __init__(self, analysis: Analysis, plans):
-        wanted = [isinstance(p, _Recompute) for p in plans]
-        used = [False] * analysis.num_outputs + wanted
-        self.jaxpr, used_inputs = jp.dce(analysis.closed.jaxpr, used)
-        self.consts = analysis.closed.consts
-        self.needed_inputs = [i for i, u in enumerate(used_inputs) if u]
-        self.indices = [i for i, w in enumerate(wanted) if w]
-
-    def __call__(self, inputs, cts) -> dict[int, Any]:
-        # The barrier ties recomputation to the backward (it needs the cotangents),
-        # so XLA can neither merge it with the forward nor schedule it early.
-        inputs, _ = lax.optimization_barrier((list(inputs), list(cts)))
-        values = jp.jaxpr_as_fun(jp.ClosedJaxpr(self.jaxpr, self.consts))(*inputs)
-        return dict(zip(self.indices, values))
-
-
-
-def _call_hook(which: str, hook: Callable, value, info: ResidualInfo):
-    try:
-        return hook(value, info)
-    except HookError:
-        raise
-    except Exception as e:
-        e.add_note(f"(raised by `{which}` for {info.describe()})")
-        raise
-
-
-def _checked(value, info: ResidualInfo):
-    """`unpack`'s result, checked against the residual it stands for."""
-    expected = f"{np.dtype(info.dtype).name}{list(info.shape)}"
-    if not isinstance(value, (jax.Array, np.ndarray)):
-        raise HookError(
-            f"`unpack` must return an array of shape {info.shape} and dtype "
-            f"{np.dtype(info.dtype).name} for {info.describe()}, but it returned "
-            f"{type(value).__name__}: {value!r:.80}. Return the restored array."
-        )
-    if value.shape != info.shape or value.dtype != info.dtype:
-        got = f"{np.dtype(value.dtype).name}{list(value.shape)}"
-        hint = ""
-        if value.dtype != info.dtype and not jnp.issubdtype(value.dtype, jnp.floating):
-            hint = " Did `unpack` forget to dequantize?"
-        elif value.dtype != info.dtype:
-            hint = " Cast it back with `.astype(info.dtype)`."
-        elif value.shape != info.shape:
-            hint = (
-                " A shape that merely broadcasts would give a silently wrong gradient;"
-                " restore the exact shape."
-            )
-        raise HookError(
-            f"`unpack` must return an array of shape {info.shape} and dtype "
-            f"{np.dtype(info.dtype).name} for {info.describe()}, but it returned "
-            f"{got} instead of {expected}.{hint}"
-        )
-    return jnp.asarray(value)

@@ -244,7 +244,7 @@ def _follow(var, producers, inputs_at, origin: _Origin) -> None:
     origin.scopes.extend(jp.scope_names(eqn))
     origin.eqn = eqn
     origin.primitive = name
-    if name in _VIEWS:
+    if name in VIEWS:
         origin.view_of_input = _viewed_input(eqn.invars[0], producers, inputs_at)
     origin.zeros = _is_filler(eqn, producers)
 
@@ -272,14 +272,14 @@ _FILLERS = {"empty", "empty2"}
 
 # A slice or reshape of a value that stays alive (`ws[i]` of stacked weights) costs
 # XLA nothing to keep; packing it would add a copy.
-_VIEWS = {"slice", "squeeze", "reshape", "expand_dims", "transpose", "dynamic_slice"}
+VIEWS = {"slice", "squeeze", "reshape", "expand_dims", "transpose", "dynamic_slice"}
 
 
 def _viewed_input(var, producers, inputs_at) -> int | None:
     while not isinstance(var, jp.Literal):
         if var in inputs_at:
             return inputs_at[var]
-        if var not in producers or producers[var][0].primitive.name not in _VIEWS:
+        if var not in producers or producers[var][0].primitive.name not in VIEWS:
             return None
         var = producers[var][0].invars[0]
     return None
