@@ -24,6 +24,7 @@ from ._plans import (
     Raw,
     Recompute,
     View,
+    barrier_after,
     call_hook,
     checked,
     in_device_memory,
@@ -281,7 +282,7 @@ def _after(arrays: list, tie) -> list:
         # (kept by the GPU pipeline) orders `unpack` after `tie` instead.
         if tie is None:
             return arrays
-        return list(lax.optimization_barrier((arrays, tie))[0])
+        return barrier_after(arrays, tie)
     # Only when nothing of the backward is at hand does the probe read the packed
     # data: XLA would compute that element from the float residual, keeping it alive.
     probe = tie if tie is not None else arrays[0]

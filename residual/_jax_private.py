@@ -106,3 +106,16 @@ def current_scope_names() -> tuple[str, ...]:
 def tangent_dtype(dtype):
     """The dtype of cotangents for values of `dtype` (float0 for integers)."""
     return _core.primal_dtype_to_tangent_dtype(dtype)
+
+
+def varying_axes(value) -> frozenset:
+    """The manual (`shard_map`) mesh axes `value` varies over; empty outside `shard_map`.
+
+    JAX 0.10 keeps them in `jax.typeof(x).mat.varying`; earlier releases had
+    `jax.typeof(x).vma`.
+    """
+    aval = jax.typeof(value)
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))

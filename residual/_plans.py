@@ -84,7 +84,7 @@ class View:
         if tie is None or not in_device_memory(source):
             return take(source)
         if jax.device_count() > 1:
-            return take(lax.optimization_barrier((source, tie))[0])
+            return take(barrier_after([source], tie)[0])
         first = tie.ravel()[0].astype(jnp.float32)
         return lax.cond(first == first, take, lambda x: jnp.copy(take(x)), source)
 
@@ -182,7 +182,7 @@ class PlannedRecompute:
     def __call__(self, inputs, cts) -> dict[int, Any]:
         # The barrier ties recomputation to the backward (it needs the cotangents),
         # so XLA can neither merge it with the forward nor schedule it early.
-        inputs, _ = lax.optimization_barrier((list(inputs), list(cts)))
+        inputs = barrier_after(list(inputs), next(iter(jax.tree.leaves(cts)), None))
         values = jp.jaxpr_as_fun(jp.ClosedJaxpr(self.jaxpr, self.consts))(*inputs)
         return dict(zip(self.indices, values))
 
@@ -225,3 +225,24 @@ def checked(value, info: ResidualInfo):
             f"{got} instead of {expected}.{hint}"
         )
     return jnp.asarray(value)
+
+
+def barrier_after(values: list, tie) -> list:
+    """`values`, which XLA may not compute before `tie`, through an optimization barrier.
+
+    Inside `shard_map` a barrier's outputs vary over every manual mesh axis any of
+    its operands varies over: a value that is invariant where `tie` varies would
+    change type, and the backward's equations (a `pvary` of it, say) would refuse
+    it. Only values that vary over the same axes as `tie` are tied to it.
+    """
+    if tie is None:
+        return values
+    axes = jp.varying_axes(tie)
+    tied = [i for i, v in enumerate(values) if jp.varying_axes(v) == axes]
+    if not tied:
+        return values
+    out, _ = lax.optimization_barrier(([values[i] for i in tied], tie))
+    values = list(values)
+    for i, value in zip(tied, out):
+        values[i] = value
+    return values

@@ -65,3 +65,18 @@ def test_jaxpr_types_and_helpers():
     assert jp.is_extended_dtype(jax.random.key(0).dtype) and not jp.is_extended_dtype(jnp.float32)
     with jax.named_scope("here"):
         assert jp.current_scope_names()[-1:] == ("here",)
+
+
+def test_varying_axes_inside_and_outside_shard_map():
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
+    spec = jax.sharding.PartitionSpec
+    seen = {}
+
+    def probe(x, w):
+        seen["x"], seen["w"] = jp.varying_axes(x), jp.varying_axes(w)
+        return x
+
+    jax.jit(jax.shard_map(probe, mesh=mesh, in_specs=(spec("data"), spec()),
+                          out_specs=spec("data")))(jnp.ones(4), jnp.ones(4))
+    assert seen == {"x": frozenset({"data"}), "w": frozenset()}
+    assert jp.varying_axes(jnp.ones(3)) == frozenset()
