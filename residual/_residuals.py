@@ -223,12 +223,13 @@ def _follow(var, producers, inputs_at, origin: _Origin) -> None:
         # A `cond` branch may fill in zeros for another branch's residual.
         if not (inner_origin.literal or inner_origin.zeros):
             inner.append((inner_origin, operands))
-    forwarded = {_forwarded_operand(o, operands) for o, operands in inner}
-    if len(forwarded) == 1 and None not in forwarded:
+    # Compared by identity: an operand may be a (unhashable) literal.
+    forwarded = [_forwarded_operand(o, operands) for o, operands in inner]
+    if forwarded and forwarded[0] is not None and all(f is forwarded[0] for f in forwarded):
         # Every body that sets it forwards the same operand: keep walking outside.
         # (`cond` may merge the residuals of different branches into one output,
         # and then it is the operand only in some of them.)
-        _follow(forwarded.pop(), producers, inputs_at, origin)
+        _follow(forwarded[0], producers, inputs_at, origin)
         return
     for inner_origin, _ in inner:
         if inner_origin.eqn is not None or inner_origin.packed:

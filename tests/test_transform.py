@@ -477,6 +477,19 @@ def test_remat_in_a_scan_over_a_cond_that_forwards_its_operand_in_one_branch(tak
     assert tree_equal(jax.jit(jax.grad(g, (0, 1)))(x, w), expected)
 
 
+def test_cond_forwarding_a_literal_operand_in_a_scan():
+    # The branch forwards the literal 2.0 as a residual; following it must not hash it.
+    def f(x):
+        def body(c, _):
+            return lax.cond(c > 0, lambda a, b: a * b, lambda a, b: jnp.sin(a), c, 2.0), None
+
+        return lax.scan(body, x, None, length=2)[0]
+
+    for policy in [residual.policies.Remat(), residual.policies.Identity()]:
+        g = jax.grad(residual.with_hooks(f, policy=policy))
+        assert tree_equal(g(1.0), jax.grad(f)(1.0))
+
+
 # 8. Nesting ---------------------------------------------------------------------------
 
 
