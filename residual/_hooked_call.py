@@ -280,8 +280,6 @@ def _after(arrays: list, tie) -> list:
         # XLA's SPMD partitioner replicates what flows through a conditional, which
         # would all-gather sharded activations: with several devices, a barrier
         # (kept by the GPU pipeline) orders `unpack` after `tie` instead.
-        if tie is None:
-            return arrays
         return barrier_after(arrays, tie)
     # Only when nothing of the backward is at hand does the probe read the packed
     # data: XLA would compute that element from the float residual, keeping it alive.

@@ -61,7 +61,7 @@ class View:
 
     XLA materializes `ws[i]` as a copy; stored, that copy lives from the forward to
     the backward (as it does without hooks). Re-taken inside a conditional tied to
-    the backward (see `_after`), it lives only around its use, and XLA cannot merge
+    the backward (see `_hooked_call._after`), it lives only around its use, and XLA cannot merge
     it with the forward's copy.
     """
 
@@ -185,7 +185,6 @@ class PlannedRecompute:
         inputs = barrier_after(list(inputs), next(iter(jax.tree.leaves(cts)), None))
         values = jp.jaxpr_as_fun(jp.ClosedJaxpr(self.jaxpr, self.consts))(*inputs)
         return dict(zip(self.indices, values))
-
 
 
 def call_hook(which: str, hook: Callable, value, info: ResidualInfo):
