@@ -97,6 +97,15 @@ def hooked_call(
             p is not None for p, r in zip(policies, analysis.residuals) if not r.owned_by_inner
         ) else _views_of_inputs(analysis, input_kinds, in_scan)
         stored_inputs: dict[int, int] = {}  # input index -> position in `stored`
+
+        def store_input(j: int, kept_alive: bool) -> int:
+            """Input `j`'s position in `stored`, storing it the first time it is asked for."""
+            if j not in stored_inputs:
+                stored_inputs[j] = len(stored)
+                stored.append(xs[j])
+                tag_owned(Raw(len(stored) - 1), kept_alive, stored)
+            return stored_inputs[j]
+
         for value, residual, policy in zip(residuals, analysis.residuals, policies):
             if residual.owned_by_inner:
                 plans.append(Raw(len(stored)))
@@ -106,11 +115,7 @@ def hooked_call(
                 plan = Derived(*residual.derivation)
             elif policy is None and residual.info.index in views:
                 chain, j = views[residual.info.index]
-                if j not in stored_inputs:
-                    stored_inputs[j] = len(stored)
-                    stored.append(xs[j])
-                    tag_owned(Raw(len(stored) - 1), True, stored)
-                plan = View(chain, stored_inputs[j])
+                plan = View(chain, store_input(j, kept_alive=True))
             elif policy is None:
                 plan = Raw(len(stored))
                 if residual.input_index is not None:
@@ -140,10 +145,7 @@ def hooked_call(
         if any(isinstance(p, Recompute) for p in plans):
             recompute = PlannedRecompute(analysis, plans)
             for i in recompute.needed_inputs:
-                if i not in stored_inputs:
-                    stored_inputs[i] = len(stored)
-                    stored.append(xs[i])
-                    tag_owned(Raw(len(stored) - 1), input_kinds[i].kept_alive, stored)
+                store_input(i, input_kinds[i].kept_alive)
         state.update(analysis=analysis, plans=plans, recompute=recompute,
                      stored_inputs=stored_inputs,
                      backward=backward_jaxpr(analysis, residuals, outs))
