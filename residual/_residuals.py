@@ -153,6 +153,9 @@ class _Origin:
     scopes: list[str]
     in_scan: bool
     eqn: Any = None
+    # The equations whose bodies hold `eqn`, innermost first: their source lines stand
+    # in for `eqn`'s when it has none of its own (JAX's jitted helpers, `jax.nn.silu`).
+    enclosing: list = dataclasses.field(default_factory=list)
     primitive: str | None = None
     name: str | None = None
     packed: bool = False
@@ -175,7 +178,7 @@ def _describe(index: int, var: Any, origin: _Origin, kinds: Sequence[InputKind])
         shape=shape,
         dtype=np.dtype(dtype) if numeric else dtype,
         primitive=origin.primitive,
-        source=jp.user_source(origin.eqn) if origin.eqn is not None else None,
+        source=_source(origin),
         scope="/".join(s for s in origin.scopes if not is_marker(s)),
         name=origin.name,
         is_input=is_input,
@@ -185,6 +188,13 @@ def _describe(index: int, var: Any, origin: _Origin, kinds: Sequence[InputKind])
     markers = tuple(policy_of_marker(s) for s in origin.scopes if is_marker(s))
     hookable = numeric and not origin.literal and not origin.packed
     return Residual(info, markers, hookable, origin.packed, origin.input_index)
+
+
+def _source(origin: _Origin) -> str | None:
+    if origin.eqn is None:
+        return None
+    sources = (jp.user_source(e) for e in (origin.eqn, *origin.enclosing))
+    return next((s for s in sources if s is not None), None)
 
 
 def _producers(jaxpr: jp.Jaxpr) -> dict[Any, tuple[Any, int]]:
@@ -236,6 +246,7 @@ def _follow(var, producers, inputs_at, origin: _Origin) -> None:
             origin.scopes.extend([*jp.scope_names(eqn), *inner_origin.scopes])
             for field in ("eqn", "primitive", "packed", "in_scan"):
                 setattr(origin, field, getattr(inner_origin, field))
+            origin.enclosing = [*inner_origin.enclosing, eqn]
             origin.name = origin.name or inner_origin.name
             return
         break

@@ -533,3 +533,16 @@ def test_residual_info_fields():
     assert re.match(r"test_transform\.py:\d+ \(.*\bf\)", tanh.source), tanh.source
     assert None in by_prim or all(not i.is_input for i in log.log)
     assert "output of `tanh`" in tanh.describe() and "block0/mlp" in tanh.describe()
+
+
+def test_residual_inside_a_jitted_library_function_has_the_callers_source():
+    # JAX's tracebacks stop at a `jit` boundary: the `logistic` inside `jax.nn.silu`
+    # (itself jitted) knows only JAX's own files, so the call site stands in.
+    log = Log()
+
+    def f(x):
+        return jnp.sum(jax.nn.silu(x))
+
+    jax.grad(residual.with_hooks(f, policy=log))(jnp.ones(3))
+    logistic = next(i for i in log.log if i.primitive == "logistic")
+    assert re.match(r"test_transform\.py:\d+ \(.*\bf\)", logistic.source), logistic.source
