@@ -193,9 +193,15 @@ def where(
         for key in unknown:
             close = difflib.get_close_matches(key, fields, n=1)
             hints.append(f"`{key}`" + (f" (did you mean `{close[0]}`?)" if close else ""))
+        # `where(name="a", then=rp.Remat())` reads naturally but is not the API.
+        pairing = (
+            " A `where` only tests residuals: pair it with its policy in "
+            "`rp.select([(rp.where(...), policy)], default=...)`."
+            if any(isinstance(v, Policy) for v in unknown.values()) else ""
+        )
         raise TypeError(
             f"`where` got unknown condition(s) {', '.join(hints)}; the conditions are "
-            f"{', '.join(fields)}."
+            f"{', '.join(fields)}.{pairing}"
         )
     return _Where(
         dtype=_dtypes(dtype),
