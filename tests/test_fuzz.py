@@ -295,24 +295,33 @@ def test_invertible_hooks_and_remat_are_close(case):
 # map, say) the rounding of every residual compounds without bound, and no fixed
 # error bound would hold. The contract of a quantizer itself, per residual, is the
 # round-trip test below.
-@given(cases(dtypes=[jnp.float32], depth=1), st.sampled_from([8, 4]))
-def test_quantized_gradients_stay_near_plain(case, bits):
+@given(cases(dtypes=[jnp.float32], depth=1))
+def test_quantized_gradients_stay_near_plain(case):
     ops, shape, _, seed = case
     f, args = _loss(ops), _inputs(shape, jnp.float32, seed)
-    got = jax.jit(_grad(residual.with_hooks(f, policy=rp.Quantize(bits=bits, min_bytes=0))))(
-        *args)
-    expected = jax.jit(_grad(f))(*args)
-    for g, e in zip(got, expected):
-        g, e = np.asarray(g, np.float64), np.asarray(e, np.float64)
+    expected = _flat(jax.jit(_grad(f))(*args))
+    finite = np.isfinite(expected)
+    errors = {}
+    for bits in (8, 4):
+        policy = rp.Quantize(bits=bits, min_bytes=0)
+        got = _flat(jax.jit(_grad(residual.with_hooks(f, policy=policy)))(*args))
         # Finite exactly where plain JAX is (an Inf may come back as NaN: documented).
-        finite = np.isfinite(e)
-        assert np.array_equal(np.isfinite(g), finite)
-        # A loose bound: each step's residual is off by up to half a quantization
-        # step, and the errors compound through the program.
-        bound = {8: 0.2, 4: 1.5}[bits]
-        # Compare the finite entries only: Inf - Inf is NaN (and a numpy warning).
-        g, e = g[finite], e[finite]
-        assert np.linalg.norm(g - e) <= bound * np.linalg.norm(e) + 1e-5
+        assert np.array_equal(np.isfinite(got), finite), bits
+        errors[bits] = np.linalg.norm(got[finite] - expected[finite])
+    # The gradient is linear in each residual, so its error follows the quantization
+    # step, which is 18 times smaller at 8 bits than at 4: a wrong residual's error
+    # would not shrink. Either the error is within a loose bound of the gradient's
+    # size, or it shrinks with the step (it can exceed the bound where the gradient
+    # is a small difference of large terms: 0.0013 from terms near 1, say).
+    scale = np.linalg.norm(expected[finite])
+    follows_the_step = errors[8] <= errors[4] / 4
+    assert errors[8] <= 0.2 * scale + 1e-5 or follows_the_step, errors
+    assert errors[4] <= 1.5 * scale + 1e-5 or follows_the_step, errors
+
+
+def _flat(grads) -> np.ndarray:
+    """All the gradients as one float64 vector (their errors are bounded together)."""
+    return np.concatenate([np.asarray(g, np.float64).ravel() for g in grads])
 
 
 @dataclasses.dataclass(frozen=True)
