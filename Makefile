@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/quality.py
+	$(PY) benchmarks/speed.py
 
 clean:
 	rm -rf $(VENV) site .pytest_cache
