@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _models as models
+import _targets
 
 import residual
 from residual import policies as rp
@@ -56,12 +57,7 @@ def measure(name, model, args, targets, checkpoint_models=()):
     for label, checkpointed in checkpoint_models:
         ratios[label] = temp_bytes(checkpointed, *args) / plain
         print(f"  {label:24s} {'':16s} {ratios[label]:14.2f}")
-    failed = 0
-    for check, description in targets:
-        ok = check(ratios)
-        failed += not ok
-        print(f"  {'PASS' if ok else 'FAIL'}: {description}")
-    return failed
+    return _targets.report(ratios, targets)
 
 
 def main(small: bool) -> int:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _models as models
+import _targets
 
 import residual
 from residual import policies as rp
@@ -71,12 +72,7 @@ def measure(name, model, args, targets) -> int:
         q1, medians[label], q3 = statistics.quantiles(ratios, n=4)
         print(f"  {label:26s} {medians[label]:14.2f} {q1:5.2f}-{q3:<6.2f} "
               f"{hooked_t * 1e3:10.1f} {plain_t * 1e3:9.1f}")
-    failed = 0
-    for check, description in targets:
-        ok = check(medians)
-        failed += not ok
-        print(f"  {'PASS' if ok else 'FAIL'}: {description}")
-    return failed
+    return _targets.report(medians, targets)
 
 
 def main(small: bool) -> int:

@@ -1,0 +1,15 @@
+"""The pass/fail lines a benchmark prints for its targets."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+def report(results: dict, targets: Sequence[tuple[Callable[[dict], bool], str]]) -> int:
+    """Prints PASS or FAIL for each `(check, description)` target; returns the misses."""
+    failed = 0
+    for check, description in targets:
+        ok = check(results)
+        failed += not ok
+        print(f"  {'PASS' if ok else 'FAIL'}: {description}")
+    return failed
