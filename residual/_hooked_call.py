@@ -17,6 +17,7 @@ from jax import lax
 
 from . import _jax_private as jp
 from ._info import ResidualInfo
+from ._ordering import passed_after
 from ._plans import (
     Derived,
     Packed,
@@ -223,7 +224,7 @@ def _tie_forward(value, plan: Packed, stored: list):
         return value
     first = value.ravel()[0].astype(jnp.float32)
     arrays = [stored[p] for p in changed]
-    value, arrays = lax.cond(first == first, _identity, _copy, (value, arrays))
+    value, arrays = passed_after(first, (value, arrays))
     for p, array in zip(changed, arrays):
         stored[p] = array
     return value
@@ -267,8 +268,7 @@ def _after(arrays: list, tie) -> list:
     of NaN): one element of `tie`, a value of the backward computed just before the
     residual is needed, so the copy, and `unpack` after it, wait for it.
     """
-    # Offloaded arrays stay where they are: under `vmap` the `cond` becomes a select,
-    # which cannot mix host and device memory.
+    # Offloaded arrays stay where they are: a `cond` in device memory cannot pass them.
     on_device = [i for i, a in enumerate(arrays) if a.size and in_device_memory(a)]
     if not on_device:
         return arrays
@@ -286,17 +286,7 @@ def _after(arrays: list, tie) -> list:
     # Only when nothing of the backward is at hand does the probe read the packed
     # data: XLA would compute that element from the float residual, keeping it alive.
     probe = tie if tie is not None else arrays[0]
-    first = probe.ravel()[0].astype(jnp.float32)
-    # The branches must differ: JAX inlines a `cond` whose branches are equal.
-    return list(lax.cond(first == first, _identity, _copy, arrays))
-
-
-def _identity(x):
-    return x
-
-
-def _copy(arrays):
-    return jax.tree.map(jnp.copy, arrays)
+    return list(passed_after(probe.ravel()[0].astype(jnp.float32), arrays))
 
 
 def _derivable(residuals: Sequence[Residual], policies) -> set[int]:

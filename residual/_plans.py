@@ -21,6 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 from . import _jax_private as jp
 from ._errors import HookError
 from ._info import ResidualInfo
+from ._ordering import passed_after
 from ._policy import Policy
 from ._residuals import OWNED_NAME, Analysis
 
@@ -85,8 +86,7 @@ class View:
             return take(source)
         if jax.device_count() > 1:
             return take(barrier_after([source], tie)[0])
-        first = tie.ravel()[0].astype(jnp.float32)
-        return lax.cond(first == first, take, lambda x: jnp.copy(take(x)), source)
+        return passed_after(tie.ravel()[0].astype(jnp.float32), source, take)
 
 
 class Derived:

@@ -289,6 +289,10 @@ def test_invertible_hooks_and_remat_are_close(case):
     _close(inverted, expected, TOL[dtype])
     remat = jax.jit(_grad(residual.with_hooks(f, policy=rp.Remat())))(*args)
     _close(remat, expected, TOL[dtype])
+    # Batched: the ordering conditionals keep one predicate per batch under `vmap`.
+    batch = tuple(jnp.stack([a, -a]) for a in args)
+    inverted = jax.jit(jax.vmap(_grad(residual.with_hooks(f, _times_four, _quarter))))(*batch)
+    _close(inverted, jax.jit(jax.vmap(_grad(f)))(*batch), TOL[dtype])
 
 
 # One level of control flow: through nested loops (nine applications of an expanding

@@ -286,6 +286,22 @@ def test_vmap_of_grad_and_grad_of_vmap():
     assert tree_allclose(jax.grad(h)(xs), expected)
 
 
+def test_vmap_of_vmap_and_derivatives_of_the_backward():
+    # The backward's ordering conditionals have their own batching rule (one
+    # predicate per batch) and are linear in what they pass.
+    xss = jnp.stack([jnp.stack([X, 2 * X, -X]), jnp.stack([X, X, 0.5 * X])])
+    expected = jax.vmap(jax.vmap(jax.grad(_f)))(xss)
+    assert tree_allclose(jax.jit(jax.vmap(jax.vmap(jax.grad(_g()))))(xss), expected)
+    _, vjp = jax.vjp(_g(), X)
+    _, vjp_plain = jax.vjp(_f, X)
+    ct = jnp.float32(1.5)
+    assert tree_allclose(jax.jvp(vjp, (ct,), (ct,)), jax.jvp(vjp_plain, (ct,), (ct,)))
+    assert tree_allclose(jax.grad(lambda c: jnp.sum(vjp(c)[0] ** 2))(ct),
+                         jax.grad(lambda c: jnp.sum(vjp_plain(c)[0] ** 2))(ct))
+    assert tree_allclose(jax.vmap(vjp)(jnp.stack([ct, 2 * ct])),
+                         jax.vmap(vjp_plain)(jnp.stack([ct, 2 * ct])))
+
+
 def test_forward_mode_saves_no_residuals_and_equals_f():
     def pack(x):
         raise AssertionError("forward mode must not pack")
