@@ -268,7 +268,7 @@ def _after(arrays: list, tie) -> list:
     of NaN): one element of `tie`, a value of the backward computed just before the
     residual is needed, so the copy, and `unpack` after it, wait for it.
     """
-    # Offloaded arrays stay where they are: a `cond` in device memory cannot pass them.
+    # Only device arrays go through the conditional: offloaded ones stay on the host.
     on_device = [i for i, a in enumerate(arrays) if a.size and in_device_memory(a)]
     if not on_device:
         return arrays
