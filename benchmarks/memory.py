@@ -60,6 +60,36 @@ def measure(name, model, args, targets, checkpoint_models=()):
     return _targets.report(ratios, targets)
 
 
+def _vmap_temp_bytes(batched, fn, args) -> int:
+    grad = jax.grad(fn, argnums=(0, 1))
+    return jax.jit(batched(grad)).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def measure_vmap(ws, x) -> int:
+    """`vmap(grad)`: per-example gradients (weights shared) and an ensemble of 2 models."""
+    examples = jnp.stack([x * (1 + i / 64) for i in range(64)])
+    cases = {
+        "per-example, 64 examples": (
+            lambda g: jax.vmap(g, in_axes=(None, 0)), (ws, examples)),
+        "ensemble of 2 models": (lambda g: jax.vmap(g), (jnp.stack([ws, 2 * ws]), examples[:2])),
+    }
+    layers, rows, width = ws.shape[0], x.shape[0], x.shape[1]
+    print(f"\nunrolled MLP under vmap(grad), {layers} layers, {rows} rows x width {width} "
+          "per example")
+    ratios = {}
+    for name, (batched, args) in cases.items():
+        plain = _vmap_temp_bytes(batched, models.unrolled_mlp, args)
+        line = f"  {name:26s} plain {plain / 2**20:6.1f} MiB"
+        for label in ("Quantize int8", "Cast(bf16)"):
+            hooked = residual.with_hooks(models.unrolled_mlp, policy=POLICIES[label])
+            ratios[name, label] = _vmap_temp_bytes(batched, hooked, args) / plain
+            line += f"   {label} {ratios[name, label]:.2f}x"
+        print(line)
+    return _targets.report(ratios, [
+        (lambda r: max(r.values()) < 1.0, "every vmap case below plain jax.grad"),
+    ])
+
+
 def main(small: bool) -> int:
     layers, batch, width = (8, 512, 256) if small else (8, 4096, 1024)
     blocks, t_width, seq, t_batch = (4, 128, 64, 4) if small else (4, 256, 256, 16)
@@ -104,6 +134,7 @@ def main(small: bool) -> int:
                 jax.checkpoint_policies.dots_saveable)),
         ],
     )
+    failed += measure_vmap(*models.mlp_params(6, 128, 256))
     loss, params, tokens = models.transformer(blocks, t_width, 4, seq, t_batch)
     failed += measure(
         f"equinox transformer, {blocks} blocks (scan), width {t_width}, seq {seq}, "
