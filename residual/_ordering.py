@@ -43,8 +43,8 @@ def passed_after(first, operands, fn: Callable | None = None) -> Any:
     def batched(axis_size, in_batched, first, operands):
         first_batched, operands_batched = in_batched
         if first_batched:
-            # One predicate for the whole batch: a sum is NaN only if some element
-            # is, and then the (equal) copy branch runs.
+            # One predicate for the whole batch. Should the sum be NaN (a NaN, or
+            # infinities of both signs), the copy branch runs: the same values.
             first = jnp.sum(first)
         batched_leaves = jax.tree.leaves(operands_batched)
         if fn is None or not any(batched_leaves):
@@ -52,7 +52,7 @@ def passed_after(first, operands, fn: Callable | None = None) -> Any:
             return out, operands_batched if fn is None else jax.tree.map(lambda _: False, out)
         axes = jax.tree.map(lambda b: 0 if b else None, operands_batched)
         per_example = jax.vmap(fn, in_axes=(axes,), axis_size=axis_size)
-        out = passed_after(first, operands, lambda ops: per_example(ops))
+        out = passed_after(first, operands, per_example)
         return out, jax.tree.map(lambda _: True, out)
 
     # `custom_vmap` has no reverse-mode rule; the result is linear in `operands`.
