@@ -22,7 +22,7 @@ lint: $(STAMP)
 # The multi-device tests run in a process of their own: they simulate 8 CPU devices,
 # which must be set before JAX starts.
 test: lint $(STAMP)
-	$(PY) -m pytest residual tests
+	$(PY) -m pytest residual tests docs
 	$(PY) -m pytest tests/multidevice
 	$(PY) -m pytest --nbmake notebooks
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
