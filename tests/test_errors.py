@@ -81,6 +81,8 @@ def _both_modes(f):
         (lambda: rp.select([(rp.where(), "remat")]), TypeError,
          r"the policy must be a `residual.Policy`"),
         (lambda: rp.where(min_bytes=10, max_bytes=1), ValueError, r"nothing would match"),
+        (lambda: rp.where(source=12), TypeError,
+         r"`source` must be a glob string such as 'model\.py:\*', but got 12"),
         (lambda: rp.where(name="a", then=rp.Remat()), TypeError,
          r"unknown condition\(s\) `then`.*pair it with its policy in `rp\.select"),
         (lambda: rp.Chain(rp.Remat()), TypeError, r"two or more policies"),

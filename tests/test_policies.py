@@ -102,6 +102,31 @@ def test_policies_compare_by_value():
     assert rp.Offload() == rp.Offload("pinned_host")
 
 
+def test_where_source_selects_by_file_and_function():
+    def attention(x):
+        return jnp.tanh(x) * 2.0
+
+    def f(x):
+        return jnp.sum(jnp.sin(attention(x)) ** 2)
+
+    info = residual.ResidualInfo(0, (4,), jnp.dtype("float32"), source="model.py:12 (Block.mlp)")
+    assert rp.where(source="model.py:*")(info) and rp.where(source="*(Block.mlp)")(info)
+    assert not rp.where(source="train.py:*")(info)
+    assert not rp.where(source="*")(residual.ResidualInfo(0, (4,), jnp.dtype("float32")))
+    # Only the residuals made in `attention` (a local function: `<locals>.attention`)
+    # are cast; the policy is a hashable value.
+    cast = rp.select([(rp.where(source="*.attention)"), rp.Cast(jnp.bfloat16))])
+    assert hash(cast) == hash(rp.select([(rp.where(source="*.attention)"),
+                                          rp.Cast(jnp.bfloat16))]))
+    profile = rp.Profile()
+    x = jnp.linspace(-1.0, 1.0, 8)
+    jax.grad(residual.with_hooks(f, policy=rp.Chain(profile, rp.Identity())))(x)
+    chosen = {i.primitive: i.source.endswith(".attention)") for i in profile.log.infos
+              if cast.resolve(i) is not None}
+    assert chosen == {"tanh": True, "sub": True}, [(i.primitive, i.source)
+                                                   for i in profile.log.infos]  # sub: 1 - y²
+
+
 @pytest.mark.parametrize(
     "policy",
     [rp.Cast(jnp.bfloat16), rp.Quantize(bits=8, min_bytes=0), rp.Quantize(bits=2, min_bytes=0),

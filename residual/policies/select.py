@@ -26,7 +26,7 @@ def select(
     leaves alone what it always leaves alone, such as integers for `Quantize`), and
     `default` resolves the residuals no rule matches. It is how per-residual choices
     are written: what `jax.checkpoint` policies express (keep `dot_general` outputs,
-    recompute the rest) and more (by scope, size, dtype, `checkpoint_name`).
+    recompute the rest) and more (by scope, source line, size, dtype, `checkpoint_name`).
 
     Args:
         rules: a list of `(predicate, policy)` pairs, tried in order. A predicate is a
@@ -141,6 +141,7 @@ def where(
     primitive: str | Sequence[str] | None = None,
     name: str | Sequence[str] | None = None,
     scope: str | None = None,
+    source: str | None = None,
     is_input: bool | None = None,
     kept_alive: bool | None = None,
     in_scan: bool | None = None,
@@ -164,6 +165,9 @@ def where(
         name: a `jax.ad_checkpoint.checkpoint_name` tag, or a tuple of them.
         scope: a glob on the scope path (`fnmatch` rules, case-sensitive), e.g.
             `"block*/mlp"`; `""` is the top level.
+        source: a glob on the source line as `inspect` shows it, `"file.py:12
+            (qualified.name)"`: `"model.py:*"` for a file, `"*(Block.__call__)"` for a
+            method. A residual with no known source never matches.
         is_input: whether it is an input of the hooked function (or a scan body's carry,
             slice or loop-invariant operand).
         kept_alive: whether the value stays alive anyway (see `ResidualInfo.kept_alive`).
@@ -210,7 +214,8 @@ def where(
         max_bytes=_byte_count("max_bytes", max_bytes),
         primitive=_strings("primitive", primitive),
         name=_strings("name", name),
-        scope=_glob(scope),
+        scope=_glob("scope", scope, "'block*/mlp'"),
+        source=_glob("source", source, "'model.py:*'"),
         is_input=_flag("is_input", is_input),
         kept_alive=_flag("kept_alive", kept_alive),
         in_scan=_flag("in_scan", in_scan),
@@ -228,6 +233,7 @@ class _Where:
     primitive: tuple[str, ...] | None = None
     name: tuple[str, ...] | None = None
     scope: str | None = None
+    source: str | None = None
     is_input: bool | None = None
     kept_alive: bool | None = None
     in_scan: bool | None = None
@@ -252,6 +258,9 @@ class _Where:
             self.primitive is None or info.primitive in self.primitive,
             self.name is None or info.name in self.name,
             self.scope is None or fnmatch.fnmatchcase(info.scope, self.scope),
+            self.source is None or (
+                info.source is not None and fnmatch.fnmatchcase(info.source, self.source)
+            ),
             self.is_input is None or info.is_input == self.is_input,
             self.kept_alive is None or info.kept_alive == self.kept_alive,
             self.in_scan is None or info.in_scan == self.in_scan,
@@ -342,10 +351,12 @@ def _strings(label: str, value) -> tuple[str, ...] | None:
     return values
 
 
-def _glob(scope) -> str | None:
-    if scope is not None and not isinstance(scope, str):
-        raise TypeError(f"`scope` must be a glob string such as 'block*/mlp', but got {scope!r}.")
-    return scope
+def _glob(label: str, pattern, example: str) -> str | None:
+    if pattern is not None and not isinstance(pattern, str):
+        raise TypeError(
+            f"`{label}` must be a glob string such as {example}, but got {pattern!r}."
+        )
+    return pattern
 
 
 def _flag(label: str, value) -> bool | None:
