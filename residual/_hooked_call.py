@@ -222,9 +222,8 @@ def _tie_forward(value, plan: Packed, stored: list):
             or not jnp.issubdtype(value.dtype, jnp.inexact) or not in_device_memory(value)
             or not all(in_device_memory(stored[p]) for p in changed)):
         return value
-    first = value.ravel()[0].astype(jnp.float32)
     arrays = [stored[p] for p in changed]
-    value, arrays = passed_after(first, (value, arrays))
+    value, arrays = passed_after(value, (value, arrays))
     for p, array in zip(changed, arrays):
         stored[p] = array
     return value
@@ -286,7 +285,7 @@ def _after(arrays: list, tie) -> list:
     # Only when nothing of the backward is at hand does the probe read the packed
     # data: XLA would compute that element from the float residual, keeping it alive.
     probe = tie if tie is not None else arrays[0]
-    return list(passed_after(probe.ravel()[0].astype(jnp.float32), arrays))
+    return list(passed_after(probe, arrays))
 
 
 def _derivable(residuals: Sequence[Residual], policies) -> set[int]:

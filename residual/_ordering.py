@@ -1,8 +1,8 @@
 """A conditional that orders work and blocks fusion, and stays a conditional under `vmap`.
 
 `residual` passes values through `lax.cond(first == first, fn, copy of fn, operands)`:
-XLA never fuses across a conditional, and it cannot run one before its predicate,
-`first`, is computed (see docs/xla-and-packed-residuals.md). Under `vmap` the
+XLA never fuses across a conditional, and it cannot run one before its predicate's
+`first`, one element of a value (the tie), is computed (see docs/xla-and-packed-residuals.md). Under `vmap` the
 predicate is batched and JAX turns the `cond` into a `select` that computes both
 branches: the copy is made and neither tie holds. Here the batching rule folds the
 predicate into one scalar for the whole batch and keeps the conditional.
@@ -26,12 +26,14 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-def passed_after(first, operands, fn: Callable | None = None) -> Any:
-    """`fn(operands)` (identity by default), computed after the scalar `first`, unfused.
+def passed_after(tie, operands, fn: Callable | None = None) -> Any:
+    """`fn(operands)` (identity by default), computed after the array `tie`, unfused.
 
-    `fn` must be linear (a view: a slice, a reshape) and work on one example: under
-    `vmap` it is vmapped when an operand is batched.
+    The predicate reads one element of `tie`. `fn` must be linear (a view: a slice, a
+    reshape) and work on one example: under `vmap` it is vmapped when an operand is
+    batched.
     """
+    first = tie.ravel()[0].astype(jnp.float32)
 
     @jax.custom_batching.custom_vmap
     def conditional(first, operands):

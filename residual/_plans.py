@@ -62,8 +62,8 @@ class View:
 
     XLA materializes `ws[i]` as a copy; stored, that copy lives from the forward to
     the backward (as it does without hooks). Re-taken inside a conditional tied to
-    the backward (see `_hooked_call._after`), it lives only around its use, and XLA cannot merge
-    it with the forward's copy.
+    the backward (see `_hooked_call._after`), it lives only around its use, and XLA
+    cannot merge it with the forward's copy.
     """
 
     def __init__(self, chain, position: int):
@@ -86,7 +86,7 @@ class View:
             return take(source)
         if jax.device_count() > 1:
             return take(barrier_after([source], tie)[0])
-        return passed_after(tie.ravel()[0].astype(jnp.float32), source, take)
+        return passed_after(tie, source, take)
 
 
 class Derived:
