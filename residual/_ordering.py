@@ -1,11 +1,12 @@
 """A conditional that orders work and blocks fusion, and stays a conditional under `vmap`.
 
 `residual` passes values through `lax.cond(first == first, fn, copy of fn, operands)`:
-XLA never fuses across a conditional, and it cannot run one before its predicate's
-`first`, one element of a value (the tie), is computed (see docs/xla-and-packed-residuals.md). Under `vmap` the
-predicate is batched and JAX turns the `cond` into a `select` that computes both
-branches: the copy is made and neither tie holds. Here the batching rule folds the
-predicate into one scalar for the whole batch and keeps the conditional.
+XLA never fuses across a conditional, and it cannot run one before its predicate is
+computed: `first` is one element of a value, the tie (see
+docs/xla-and-packed-residuals.md). Under `vmap` the predicate is batched and JAX
+turns the `cond` into a `select` that computes both branches: the copy is made and
+neither tie holds. Here the batching rule folds the predicate into one scalar for
+the whole batch and keeps the conditional.
 
 Both branches return the same values, so the predicate only orders the work: no
 result depends on it.
