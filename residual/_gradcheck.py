@@ -102,8 +102,8 @@ def gradcheck(
         >>> x = jnp.linspace(-1, 1, 64 * 64).reshape(64, 64)
         >>> result = residual.gradcheck(lambda x: jnp.sum(jnp.tanh(x) ** 2), x,
         ...                             policy=rp.Quantize(bits=8))
-        >>> result.ok, len(result.residuals)
-        (True, 1)
+        >>> result.ok
+        True
         >>> result.residuals[0].max_rel_error < 0.01
         True
     """

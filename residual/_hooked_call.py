@@ -35,7 +35,6 @@ from ._plans import (
 from ._policy import FunctionHooks, Policy
 from ._record import Record, record
 from ._residuals import (
-    VIEWS,
     Analysis,
     InputKind,
     Residual,
@@ -320,17 +319,17 @@ def _views_of_inputs(analysis: Analysis, input_kinds, in_scan: bool) -> dict:
     if in_scan:
         return {}
     jaxpr = analysis.closed.jaxpr
-    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    producers = {v: (eqn, k) for eqn in jaxpr.eqns for k, v in enumerate(eqn.outvars)}
     inputs_at = {v: i for i, v in enumerate(jaxpr.invars)}
     views = {}
     for index, var in enumerate(jaxpr.outvars[analysis.num_outputs:]):
         chain = []
         while not isinstance(var, jp.Literal) and var in producers:
-            eqn = producers[var]
+            eqn, k = producers[var]
             # One operand: a `dynamic_slice` (which has index operands too) is stored.
-            if eqn.primitive.name not in VIEWS or len(eqn.invars) != 1:
+            if eqn.primitive not in jp.VIEWS or len(eqn.invars) != 1:
                 break
-            chain.append(eqn)
+            chain.append((eqn, k))
             var = eqn.invars[0]
         if chain and not isinstance(var, jp.Literal) and var in inputs_at:
             j = inputs_at[var]

@@ -1,13 +1,17 @@
 """Every use of JAX internals in `residual`, in one place.
 
 `residual` needs a few things no public JAX API offers: which kind of differentiation
-is tracing a value, how to re-bind one jaxpr equation with its source information, and
-dead-code elimination of a jaxpr. `tests/test_jax_private.py` exercises each of them,
-so a JAX release that changes them fails loudly there instead of deep in a trace.
+is tracing a value, how to re-bind one jaxpr equation with its source information,
+dead-code elimination of a jaxpr, and how the equations of control flow (`scan`,
+`cond`, `jit`, `checkpoint`) hold their bodies and parameters, which changes between
+releases. Equations are recognized by primitive object (from `jax.extend.core`), never
+by name. `tests/test_jax_private.py` exercises each of them, so a JAX release that
+changes them fails loudly there instead of deep in a trace.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,13 +20,132 @@ from jax._src import config as _config
 from jax._src import source_info_util as _source_info
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax import lax as _lax
 from jax.extend import core as _core
+from jax.extend.core import primitives as _p
 
 Literal = _core.Literal
 Var = _core.Var
 ClosedJaxpr = _core.ClosedJaxpr
 Jaxpr = _core.Jaxpr
 JaxprEqn = _core.JaxprEqn
+
+# The primitives `residual` recognizes in a jaxpr.
+scan_p = _p.scan_p
+cond_p = _p.cond_p
+remat_p = _p.remat_p  # `jax.checkpoint`
+name_p = _p.name_p  # `jax.ad_checkpoint.checkpoint_name`
+broadcast_in_dim_p = _p.broadcast_in_dim_p
+# Calls whose body `residual` inlines: `jit`, and `closed_call` (named `eval_jaxpr`
+# from jax 0.11 on, and used inside scan bodies there).
+CALLS = frozenset({_p.jit_p, _p.closed_call_p, _p.call_p})
+# Identity-like equations JAX inserts between a value and its use as a residual.
+IDENTITIES = frozenset({_p.reduce_precision_p, _p.copy_p, _lax.optimization_barrier_p})
+# What `cond` puts where another branch has a residual.
+FILLERS = frozenset({_lax.empty_p, _lax.empty2_p})
+# Slices and reshapes: a view of a value costs XLA nothing to keep if the value lives.
+# `for w in ws` unstacks from jax 0.11 on (`unstack`, one output per slice); jax 0.10
+# slices and squeezes.
+VIEWS = frozenset({
+    _p.slice_p, _p.squeeze_p, _p.reshape_p, _p.transpose_p, _p.dynamic_slice_p, _lax.unstack_p,
+})
+# Elementwise equations as cheap to recompute as to read.
+CHEAP = frozenset({
+    _p.add_p, _p.sub_p, _p.mul_p, _p.neg_p, _p.integer_pow_p, _p.square_p, _p.abs_p,
+    _p.sign_p, _p.max_p, _p.min_p, _p.select_n_p, _p.convert_element_type_p,
+}) | (
+    # What tanh's derivative saves from jax 0.11 on (1 - y²); jax 0.10 saves 1 - y.
+    {_lax.one_minus_square_p} if hasattr(_lax, "one_minus_square_p") else set()
+)
+
+
+def closed(jaxpr: Jaxpr | ClosedJaxpr) -> ClosedJaxpr:
+    """A body as a `ClosedJaxpr`: jax 0.10 stores them closed, 0.11 on as open `Jaxpr`s
+    whose constants are explicit operands of the equation."""
+    if isinstance(jaxpr, ClosedJaxpr):
+        return jaxpr
+    if jaxpr.constvars:
+        raise NotImplementedError(
+            "`residual` met a jaxpr body with constants but no values for them; this JAX "
+            f"release ({jax.__version__}) stores bodies in a way `residual` does not know."
+        )
+    return ClosedJaxpr(jaxpr, ())
+
+
+@dataclasses.dataclass(frozen=True)
+class Scan:
+    """A `scan` equation's parts; operands are `num_consts` consts, `num_carry` carries, xs."""
+
+    body: ClosedJaxpr  # one iteration: consts, carry, x -> carry, y
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: int | bool
+
+
+def scan_parts(eqn: JaxprEqn) -> Scan:
+    params = eqn.params
+    if "num_consts" in params:  # jax 0.10
+        num_consts, num_carry = params["num_consts"], params["num_carry"]
+    else:  # jax 0.11 on: operands grouped as (consts, carry, xs) in a flat tree
+        groups = params["ft_in"].update(list(range(len(eqn.invars)))).unpack()
+        num_consts, num_carry = len(list(groups[0])), len(list(groups[1]))
+    return Scan(closed(params["jaxpr"]), num_consts, num_carry, params["length"],
+                params["reverse"], params["unroll"])
+
+
+def cond_branches(eqn: JaxprEqn) -> list[ClosedJaxpr]:
+    """A `cond`'s branches; its operands are the index, then the branches' inputs."""
+    return [closed(b) for b in eqn.params["branches"]]
+
+
+def call_body(eqn: JaxprEqn) -> ClosedJaxpr:
+    """The body of a `jit` or `closed_call` equation, which takes the equation's operands."""
+    params = eqn.params
+    return closed(params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Remat:
+    """A `jax.checkpoint` equation's body and the arguments that rebuild it."""
+
+    body: Jaxpr
+    prevent_cse: bool
+    policy: Any
+
+
+def remat_parts(eqn: JaxprEqn) -> Remat:
+    params = eqn.params
+    return Remat(params["jaxpr"], params["prevent_cse"], params["policy"])
+
+
+def checkpoint_name_of(eqn: JaxprEqn) -> str:
+    """The tag of a `checkpoint_name` (`name_p`) equation."""
+    return eqn.params["name"]
+
+
+def single_body(eqn: JaxprEqn) -> Jaxpr | None:
+    """The body of a call-like equation (`jit`, `closed_call`, `checkpoint`, custom
+    derivatives) when it takes exactly the equation's operands; `None` otherwise."""
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        body = eqn.params.get(key)
+        body = getattr(body, "jaxpr", body)
+        if isinstance(body, Jaxpr) and len(body.invars) == len(eqn.invars):
+            return body
+    return None
+
+
+def sub_jaxprs(eqn: JaxprEqn) -> list[Jaxpr]:
+    """Every jaxpr held in an equation's parameters (bodies, branches)."""
+    subs = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, ClosedJaxpr):
+                subs.append(item.jaxpr)
+            elif isinstance(item, Jaxpr):
+                subs.append(item)
+    return subs
 
 
 def differentiation_mode(values: Sequence[Any]) -> str | None:

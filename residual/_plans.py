@@ -77,8 +77,8 @@ class View:
 
     def restore(self, stored, tie):
         def take(x):
-            for eqn in self.chain:
-                x = jp.bind_equation(eqn, [x])[0]
+            for eqn, k in self.chain:  # output k: `unstack` has one per slice
+                x = jp.bind_equation(eqn, [x])[k]
             return x
 
         source = stored[self.position]

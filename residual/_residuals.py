@@ -116,19 +116,14 @@ def backward_jaxpr(analysis: Analysis, residuals: Sequence[Any], outputs: Sequen
     return jax.make_jaxpr(backward)(*residuals, *cotangents)
 
 
-# Elementwise equations as cheap to recompute as to read: XLA recomputes them from
-# their operands in the backward instead of storing them, and so does `hooked_call`.
-_CHEAP = {
-    "add", "sub", "mul", "neg", "integer_pow", "square", "abs", "sign", "max", "min",
-    "select_n", "convert_element_type",
-}
-
-
 def _derivation(var, index, producers, index_of):
+    # Elementwise equations as cheap to recompute as to read (`jp.CHEAP`): XLA
+    # recomputes them from their operands in the backward instead of storing them,
+    # and so does `hooked_call`.
     if isinstance(var, jp.Literal) or var not in producers:
         return None
     eqn, _ = producers[var]
-    if eqn.primitive.name not in _CHEAP or len(eqn.outvars) != 1:
+    if eqn.primitive not in jp.CHEAP or len(eqn.outvars) != 1:
         return None
     operands = []
     for v in eqn.invars:
@@ -213,15 +208,15 @@ def _follow(var, producers, inputs_at, origin: _Origin) -> None:
         origin.literal = True
         return
     eqn, k = producers[var]
-    name = eqn.primitive.name
-    if name == "name":  # `checkpoint_name`: note the tag, look through it
-        if eqn.params["name"] == OWNED_NAME:
+    if eqn.primitive is jp.name_p:  # `checkpoint_name`: note the tag, look through it
+        tag = jp.checkpoint_name_of(eqn)
+        if tag == OWNED_NAME:
             origin.packed = True
             return
-        origin.name = origin.name or eqn.params["name"]
+        origin.name = origin.name or tag
         _follow(eqn.invars[0], producers, inputs_at, origin)
         return
-    if name in _LOOK_THROUGH:
+    if eqn.primitive in jp.IDENTITIES:
         _follow(eqn.invars[k], producers, inputs_at, origin)
         return
     bodies = _inner_jaxprs(eqn, k)
@@ -255,8 +250,8 @@ def _follow(var, producers, inputs_at, origin: _Origin) -> None:
         return
     origin.scopes.extend(jp.scope_names(eqn))
     origin.eqn = eqn
-    origin.primitive = name
-    if name in VIEWS:
+    origin.primitive = eqn.primitive.name
+    if eqn.primitive in jp.VIEWS:
         origin.view_of_input = _viewed_input(eqn.invars[0], producers, inputs_at)
     origin.zeros = _is_filler(eqn, producers)
 
@@ -270,55 +265,42 @@ def _forwarded_operand(inner_origin: _Origin, operands):
 
 def _is_filler(eqn, producers) -> bool:
     """A placeholder `cond` puts where another branch has a residual."""
-    if eqn.primitive.name in _FILLERS:
+    if eqn.primitive in jp.FILLERS:
         return True
-    if eqn.primitive.name != "broadcast_in_dim":
+    if eqn.primitive is not jp.broadcast_in_dim_p:
         return False
     operand = eqn.invars[0]
     return isinstance(operand, jp.Literal) or (
-        operand in producers and producers[operand][0].primitive.name in _FILLERS
+        operand in producers and producers[operand][0].primitive in jp.FILLERS
     )
 
 
-_FILLERS = {"empty", "empty2"}
-
-# A slice or reshape of a value that stays alive (`ws[i]` of stacked weights) costs
-# XLA nothing to keep; packing it would add a copy.
-VIEWS = {"slice", "squeeze", "reshape", "expand_dims", "transpose", "dynamic_slice"}
-
-
 def _viewed_input(var, producers, inputs_at) -> int | None:
+    # A slice or reshape of a value that stays alive (`ws[i]` of stacked weights)
+    # costs XLA nothing to keep; packing it would add a copy.
     while not isinstance(var, jp.Literal):
         if var in inputs_at:
             return inputs_at[var]
-        if var not in producers or producers[var][0].primitive.name not in VIEWS:
+        if var not in producers or producers[var][0].primitive not in jp.VIEWS:
             return None
         var = producers[var][0].invars[0]
     return None
 
-# Identity-like equations JAX inserts between a value and its use as a residual.
-_LOOK_THROUGH = {"reduce_precision", "copy", "copy_p", "optimization_barrier"}
-
 
 def _inner_jaxprs(eqn, out_index: int):
     """(jaxpr, operands, output index, is a scan body) for each body of a call-like eqn."""
-    params = eqn.params
-    name = eqn.primitive.name
-    if name == "scan":
+    if eqn.primitive is jp.scan_p:
         # A forwarded loop-invariant operand or xs slice is (a stack of) the scan's
         # operand; a forwarded carry is not.
-        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        scan = jp.scan_parts(eqn)
+        n_consts, n_carry = scan.num_consts, scan.num_carry
         operands = [
             None if n_consts <= i < n_consts + n_carry else v
             for i, v in enumerate(eqn.invars)
         ]
-        return [(params["jaxpr"].jaxpr, operands, out_index, True)]
-    if name == "cond":
-        return [(b.jaxpr, eqn.invars[1:], out_index, False) for b in params["branches"]]
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        sub = params.get(key)
-        if sub is not None:
-            sub = getattr(sub, "jaxpr", sub)
-            if hasattr(sub, "eqns") and len(sub.invars) == len(eqn.invars):
-                return [(sub, list(eqn.invars), out_index, False)]
-    return []
+        return [(scan.body.jaxpr, operands, out_index, True)]
+    if eqn.primitive is jp.cond_p:
+        return [(b.jaxpr, eqn.invars[1:], out_index, False) for b in jp.cond_branches(eqn)]
+    # Calls, `checkpoint`s, custom derivatives: one body that takes the operands.
+    body = jp.single_body(eqn)
+    return [] if body is None else [(body, list(eqn.invars), out_index, False)]

@@ -45,7 +45,7 @@ def interpret(
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        rule = _RULES.get(eqn.primitive.name)
+        rule = _rule(eqn.primitive)
         if rule is not None and contains_scan(eqn):
             eqn_scopes = (*scopes, *jp.scope_names(eqn))
             with jp.name_stack_context(eqn):
@@ -62,9 +62,9 @@ def contains_scan(eqn_or_jaxpr) -> bool:
     if eqns is not None:
         return any(contains_scan(e) for e in eqns)
     eqn = eqn_or_jaxpr
-    if eqn.primitive.name == "scan":
+    if eqn.primitive is jp.scan_p:
         return True
-    return any(contains_scan(sub) for sub in _sub_jaxprs(eqn))
+    return any(contains_scan(sub) for sub in jp.sub_jaxprs(eqn))
 
 
 def has_markers(jaxpr: jp.Jaxpr) -> bool:
@@ -72,20 +72,9 @@ def has_markers(jaxpr: jp.Jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if any(is_marker(s) for s in jp.scope_names(eqn)):
             return True
-        if any(has_markers(sub) for sub in _sub_jaxprs(eqn)):
+        if any(has_markers(sub) for sub in jp.sub_jaxprs(eqn)):
             return True
     return False
-
-
-def _sub_jaxprs(eqn) -> list[jp.Jaxpr]:
-    subs = []
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, jp.ClosedJaxpr):
-                subs.append(item.jaxpr)
-            elif isinstance(item, jp.Jaxpr):
-                subs.append(item)
-    return subs
 
 
 def _region_policy(scopes: Sequence[str], base: Policy | None) -> Policy | None:
@@ -94,9 +83,9 @@ def _region_policy(scopes: Sequence[str], base: Policy | None) -> Policy | None:
 
 
 def _scan(eqn, invals, base, scopes, iterations):
-    params = eqn.params
-    body: jp.ClosedJaxpr = params["jaxpr"]
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    scan = jp.scan_parts(eqn)
+    body = scan.body
+    n_consts, n_carry = scan.num_consts, scan.num_carry
     consts = invals[:n_consts]
     init = invals[n_consts : n_consts + n_carry]
     xs = invals[n_consts + n_carry :]
@@ -104,7 +93,7 @@ def _scan(eqn, invals, base, scopes, iterations):
     body_base = _region_policy(scopes, base)
     plain_scopes = tuple(s for s in scopes if not is_marker(s))
 
-    body_iterations = (iterations or 1) * params["length"]
+    body_iterations = (iterations or 1) * scan.length
 
     def body_fun(*flat):
         return interpret(body.jaxpr, body.consts, flat, body_base, (), body_iterations)
@@ -117,23 +106,22 @@ def _scan(eqn, invals, base, scopes, iterations):
         return outs[:n_carry], outs[n_carry:]
 
     carry, ys = lax.scan(
-        step, list(init), list(xs), length=params["length"],
-        reverse=params["reverse"], unroll=params["unroll"],
+        step, list(init), list(xs), length=scan.length, reverse=scan.reverse,
+        unroll=scan.unroll,
     )
     return [*carry, *ys]
 
 
 def _inline_call(eqn, invals, base, scopes, iterations):
-    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    jaxpr, consts = (closed.jaxpr, closed.consts) if hasattr(closed, "consts") else (closed, ())
-    return interpret(jaxpr, consts, invals, base, scopes, iterations)
+    body = jp.call_body(eqn)
+    return interpret(body.jaxpr, body.consts, invals, base, scopes, iterations)
 
 
 def _cond(eqn, invals, base, scopes, iterations):
     index, *operands = invals
     branches = [
         functools.partial(_run_branch, branch, base, scopes, iterations)
-        for branch in eqn.params["branches"]
+        for branch in jp.cond_branches(eqn)
     ]
     return lax.switch(index, branches, *operands)
 
@@ -143,23 +131,24 @@ def _run_branch(branch: jp.ClosedJaxpr, base, scopes, iterations, *operands):
 
 
 def _checkpoint(eqn, invals, base, scopes, iterations):
-    params = eqn.params
+    remat = jp.remat_parts(eqn)
     region = functools.partial(
-        interpret, params["jaxpr"], (), base=base, scopes=scopes, iterations=iterations
+        interpret, remat.body, (), base=base, scopes=scopes, iterations=iterations
     )
     wrapped = jax.checkpoint(
-        lambda *a: region(a), prevent_cse=params["prevent_cse"], policy=params["policy"]
+        lambda *a: region(a), prevent_cse=remat.prevent_cse, policy=remat.policy
     )
     return wrapped(*invals)
 
 
-_RULES = {
-    "scan": _scan,
-    "jit": _inline_call,
-    "pjit": _inline_call,
-    "closed_call": _inline_call,
-    "core_call": _inline_call,
-    "cond": _cond,
-    "remat2": _checkpoint,
-    "checkpoint": _checkpoint,
-}
+def _rule(primitive):
+    """How `interpret` rebuilds an equation of `primitive` that contains a scan."""
+    if primitive is jp.scan_p:
+        return _scan
+    if primitive is jp.cond_p:
+        return _cond
+    if primitive is jp.remat_p:
+        return _checkpoint
+    if primitive in jp.CALLS:
+        return _inline_call
+    return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from residual import _jax_private as jp
 
@@ -51,16 +52,78 @@ def test_dce_slices_the_jaxpr():
     assert {e.primitive.name for e in jaxpr.eqns} == {"cos", "mul"}
 
 
-def test_jaxpr_types_and_helpers():
-    def f(x):
-        return lax.scan(lambda c, _: (c * 2.0, None), x, None, length=2)
+def test_scan_parts_split_operands_and_read_the_body():
+    def f(k, c, xs):
+        return lax.scan(lambda c, x: (c * k + x, jnp.sin(c)), c, xs, reverse=True, unroll=2)
 
-    closed = jax.make_jaxpr(f)(1.0)
+    closed = jax.make_jaxpr(f)(2.0, 1.0, jnp.ones(3))
+    (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive is jp.scan_p]
+    assert eqn.primitive.name == "scan"
+    scan = jp.scan_parts(eqn)
+    assert (scan.num_consts, scan.num_carry, scan.length) == (1, 1, 3)
+    assert scan.reverse is True and scan.unroll == 2
+    assert isinstance(scan.body, jp.ClosedJaxpr)
+    assert len(scan.body.jaxpr.invars) == len(eqn.invars) == 3
+    assert len(scan.body.jaxpr.outvars) == len(eqn.outvars) == 2
+    assert jp.jaxpr_as_fun(scan.body)(2.0, 1.0, 5.0)[0] == 7.0
+
+
+def test_cond_call_and_checkpoint_bodies():
+    def f(x):
+        y = lax.cond(x > 0, jnp.sin, jnp.cos, x)
+        y = jax.jit(lambda a: a * 3.0)(y)
+        policy = jax.checkpoint_policies.nothing_saveable
+        return jax.checkpoint(lambda a: jnp.exp(a), prevent_cse=False, policy=policy)(y)
+
+    eqns = jax.make_jaxpr(f)(1.0).jaxpr.eqns
+    (cond,) = [e for e in eqns if e.primitive is jp.cond_p]
+    branches = jp.cond_branches(cond)
+    assert len(branches) == 2 and all(isinstance(b, jp.ClosedJaxpr) for b in branches)
+    assert [e.primitive.name for b in branches for e in b.jaxpr.eqns] == ["cos", "sin"]
+    (call,) = [e for e in eqns if e.primitive in jp.CALLS]
+    assert jp.jaxpr_as_fun(jp.call_body(call))(2.0)[0] == 6.0
+    assert jp.single_body(call) is jp.call_body(call).jaxpr
+    (remat,) = [e for e in eqns if e.primitive is jp.remat_p]
+    parts = jp.remat_parts(remat)
+    assert parts.prevent_cse is False and parts.policy is jax.checkpoint_policies.nothing_saveable
+    assert [e.primitive.name for e in parts.body.eqns] == ["exp"]
+    assert len(jp.sub_jaxprs(cond)) == 2
+
+
+def test_primitive_sets_match_what_jax_emits():
+    def f(x, ws):
+        y = jnp.tanh(x)
+        ws_t = [w.T for w in ws]  # unstack (jax 0.11 on) or slice + squeeze, then transpose
+        z = checkpoint_name(y.reshape(2, 2)[:1] * 2.0, "tag")
+        return y, ws_t, z, lax.reduce_precision(y, exponent_bits=5, mantissa_bits=10)
+
+    eqns = jax.make_jaxpr(f)(jnp.ones(4), jnp.ones((2, 3, 3))).jaxpr.eqns
+    prims = {e.primitive for e in eqns}
+    views = {e.primitive.name for e in eqns if e.primitive in jp.VIEWS}
+    assert {"transpose", "reshape", "slice"} <= views
+    assert "unstack" in views or "squeeze" in views
+    (name,) = [e for e in eqns if e.primitive is jp.name_p]
+    assert jp.checkpoint_name_of(name) == "tag"
+    assert any(p in jp.IDENTITIES for p in prims)  # reduce_precision
+    assert any(p in jp.CHEAP and p.name == "mul" for p in prims)
+    # What tanh's derivative saves is cheap to derive again, on every release.
+    saved = jax.make_jaxpr(lambda x: jax.tree.leaves(jax.vjp(jnp.tanh, x)[1]))(jnp.ones(3))
+    producers = {v: e for e in saved.jaxpr.eqns for v in e.outvars}
+    assert any(producers[v].primitive in jp.CHEAP for v in saved.jaxpr.outvars
+               if v in producers), saved
+    # A `cond` fills another branch's residual with a filler.
+    res = jax.make_jaxpr(lambda x: jax.tree.leaves(
+        jax.vjp(lambda a: lax.cond(a > 0, jnp.sin, lambda b: b * 2.0, a), x)[1]))(1.0)
+    (cond,) = [e for e in res.jaxpr.eqns if e.primitive is jp.cond_p]
+    fillers = [e for b in jp.cond_branches(cond) for e in b.jaxpr.eqns if e.primitive in jp.FILLERS]
+    assert fillers and all(f.primitive.name in {"empty", "empty2"} for f in fillers)
+    assert jp.broadcast_in_dim_p.name == "broadcast_in_dim"
+
+
+def test_jaxpr_types_and_helpers():
+    closed = jax.make_jaxpr(lambda x: x * 4.0)(3.0)
     assert isinstance(closed, jp.ClosedJaxpr) and isinstance(closed.jaxpr, jp.Jaxpr)
-    (scan,) = closed.jaxpr.eqns
-    body = scan.params["jaxpr"]
-    assert {"jaxpr", "num_consts", "num_carry", "length", "reverse", "unroll"} <= set(scan.params)
-    assert any(isinstance(v, jp.Literal) for e in body.jaxpr.eqns for v in e.invars)
+    assert any(isinstance(v, jp.Literal) for e in closed.jaxpr.eqns for v in e.invars)
     assert jp.jaxpr_as_fun(closed)(3.0)[0] == 12.0
     assert jp.is_extended_dtype(jax.random.key(0).dtype) and not jp.is_extended_dtype(jnp.float32)
     with jax.named_scope("here"):

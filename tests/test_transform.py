@@ -22,11 +22,14 @@ def identity(x):
     return x
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Log(residual.Policy):
-    """Identity policy that logs the ResidualInfo of every residual it packs."""
+    """Identity policy that logs the ResidualInfo of every residual it packs.
 
-    log: list = dataclasses.field(default_factory=list, compare=False, hash=False)
+    Compared by identity, like `Profile`: two logs are different policies.
+    """
+
+    log: list = dataclasses.field(default_factory=list)
     lossless = True
 
     def pack(self, x, info):
@@ -196,7 +199,8 @@ def test_unpack_wrong_dtype_names_the_residual():
     g = residual.with_hooks(
         lambda x: jnp.sum(jnp.tanh(x)), lambda x: x.astype(jnp.int8), identity
     )
-    expected = r"residual #\d float32\[4\] \(output of `(tanh|sub)` at .*int8\[4\].*dequantize"
+    expected = (r"residual #\d float32\[4\] \(output of `(tanh|sub|one_minus_square)` at "
+                r".*int8\[4\].*dequantize")
     with pytest.raises(residual.HookError, match=expected):
         jax.grad(g)(jnp.ones(4))
 
@@ -433,6 +437,9 @@ def test_scan_residuals_are_packed_inside_the_body_and_stacked_packed():
     assert not re.search(r"f32\[6,16,32\]", text), "no float activation stack is left"
 
 
+_TANH_RESIDUALS = {"tanh", "sub", "one_minus_square"}
+
+
 @pytest.mark.parametrize("kind", ["fori_loop", "cond", "checkpoint", "inner_jit"])
 def test_control_flow_bodies_are_hooked(kind):
     log = Log()
@@ -454,10 +461,14 @@ def test_control_flow_bodies_are_hooked(kind):
     x = jnp.linspace(0.1, 1.0, 8)
     got = jax.grad(residual.with_hooks(f, policy=log))(x)
     assert tree_equal(got, jax.grad(f)(x))
-    # tanh saves its output or 1 - output², depending on what follows.
-    assert any(i.primitive in {"tanh", "sub"} for i in log.log), log.log
+    # tanh saves its output, 1 - output or 1 - output², depending on what follows and
+    # on the JAX release.
+    # From jax 0.11 on, the branches of a `cond` share one residual slot, reported as
+    # the first branch's (`cos`, from `jnp.sin`).
+    expected = _TANH_RESIDUALS | ({"cos"} if kind == "cond" else set())
+    assert any(i.primitive in expected for i in log.log), log.log
     if kind == "fori_loop":
-        assert any(i.in_scan and i.primitive in {"tanh", "sub"} for i in log.log)
+        assert any(i.in_scan and i.primitive in _TANH_RESIDUALS for i in log.log)
 
 
 def test_nested_scans():
