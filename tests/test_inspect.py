@@ -16,6 +16,9 @@ from residual import policies as rp
 from residual.__main__ import main
 from tests.helpers import mlp_params, scan_mlp, unrolled_mlp
 
+# What tanh's derivative saves: y (and 1 - y) on jax 0.10, 1 - y² from jax 0.11 on.
+_TANH = {"tanh", "one_minus_square"}
+
 _SHAPE = re.compile(r"^(\w+)\[([\d,]*)\]")
 
 
@@ -46,13 +49,14 @@ def test_report_rows_scan_iterations_and_policy_effect():
     report = residual.inspect(scan_mlp, ws, x, policy=rp.Quantize(bits=8, min_bytes=0))
     body = [r for r in report.rows if r.iterations == 4]
     assert body and all(r.shape == (32, 64) for r in body)
-    assert any(r.primitive == "tanh" and r.source.startswith("helpers.py:") for r in body)
+    assert any(r.primitive in _TANH and r.source.startswith("helpers.py:") for r in body)
     t = report.totals
-    assert t["stored_bytes"] < 0.6 * t["residual_bytes"]
+    assert t["stored_bytes"] < 0.7 * t["residual_bytes"]  # the weights (half) are kept
     assert t["hooked_temp_bytes"] < t["plain_temp_bytes"] and 0 < t["temp_ratio"] < 1
     assert any(r.policy.startswith("Quantize(bits=8") for r in report.rows)
     text = str(report)
-    assert "tanh" in text and "compiled backward temp memory" in text and "x" in text
+    assert re.search("tanh|one_minus_square", text)
+    assert "compiled backward temp memory" in text and "x" in text
     html = report._repr_html_()
     assert html.count("<tr>") == len(report.rows) + 1 and "Quantize" in html
 
@@ -105,7 +109,8 @@ def test_cli_inspect(tmp_path, monkeypatch, capsys):
     assert main(["inspect", "tinymodel:loss", "--shape", "32x32", "--shape", "8x32",
                  "--policy", "int8"]) == 0
     out = capsys.readouterr().out
-    assert "tanh" in out and "Quantize(bits=8" in out and "temp memory" in out
+    assert re.search("tanh|one_minus_square", out)
+    assert "Quantize(bits=8" in out and "temp memory" in out
 
 
 def test_cli_demo_runs(capsys):

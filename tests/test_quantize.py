@@ -170,7 +170,9 @@ def test_scan_stacks_the_packed_codes_and_temp_memory_shrinks():
     plain_text = compiled_text(jax.grad(scan_mlp), ws, x)
     assert re.search(r"f32\[4,256,128\]", plain_text)
     plain = temp_bytes(jax.grad(scan_mlp), ws, x)
-    for bits, bound in [(8, 0.5), (4, 0.4), (2, 0.35)]:
+    # Measured 0.36x / 0.30x / 0.27x on jax 0.10, and 0.56x / 0.47x / 0.43x from jax 0.11
+    # on, whose plain scan saves one float per layer fewer (tanh keeps only 1 - y²).
+    for bits, bound in [(8, 0.6), (4, 0.5), (2, 0.45)]:
         g = jax.grad(residual.with_hooks(scan_mlp, policy=rp.Quantize(bits=bits)))
         text = compiled_text(g, ws, x)
         assert re.search(rf"u8\[4,256,{128 * bits // 8}\]", text), bits
