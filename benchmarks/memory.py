@@ -47,16 +47,18 @@ def temp_bytes(fn, *args) -> int:
 def measure(name, model, args, targets, checkpoint_models=()):
     plain = temp_bytes(model, *args)
     print(f"\n{name}: plain jax.grad temp {plain / 2**20:.1f} MiB")
-    print(f"  {'policy':24s} {'stored/residual':>16s} {'temp vs plain':>14s}")
+    print(f"  {'policy':24s} {'stored/residual':>16s} {'temp vs plain':>14s} {'temp MiB':>9s}")
     ratios = {}
     for label, policy in POLICIES.items():
         report = residual.inspect(model, *args, policy=policy, compiled=False)
         stored = report.totals["ratio"]
-        ratios[label] = temp_bytes(residual.with_hooks(model, policy=policy), *args) / plain
-        print(f"  {label:24s} {stored:16.2f} {ratios[label]:14.2f}")
+        hooked = temp_bytes(residual.with_hooks(model, policy=policy), *args)
+        ratios[label] = hooked / plain
+        print(f"  {label:24s} {stored:16.2f} {ratios[label]:14.2f} {hooked / 2**20:9.1f}")
     for label, checkpointed in checkpoint_models:
-        ratios[label] = temp_bytes(checkpointed, *args) / plain
-        print(f"  {label:24s} {'':16s} {ratios[label]:14.2f}")
+        hooked = temp_bytes(checkpointed, *args)
+        ratios[label] = hooked / plain
+        print(f"  {label:24s} {'':16s} {ratios[label]:14.2f} {hooked / 2**20:9.1f}")
     return _targets.report(ratios, targets)
 
 
@@ -91,6 +93,7 @@ def measure_vmap(ws, x) -> int:
 
 
 def main(small: bool) -> int:
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
     layers, batch, width = (8, 512, 256) if small else (8, 4096, 1024)
     blocks, t_width, seq, t_batch = (4, 128, 64, 4) if small else (4, 256, 256, 16)
     checkpoints = [
