@@ -1,11 +1,18 @@
 # `make demo` and `make test` each set themselves up from nothing: they create
 # .venv when it is missing and install the package with its extras into it.
+# `make test-jax` does the same for the newer JAX releases, each in a venv of its own.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# jax 0.11 and 0.12 need Python 3.12; pyenv keeps it on these machines.
+PYTHON312 ?= $(or $(lastword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12.*/bin/python)),python3.12)
+# The JAX releases `make test-jax` tests besides .venv's (the newest for Python 3.11).
+JAX_VENVS := .venv-jax011 .venv-jax012
+jax_version.venv-jax011 := 0.11.2
+jax_version.venv-jax012 := 0.12.0.1
 
-.PHONY: demo test lint docs bench clean
+.PHONY: demo test suite test-jax lint docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,13 +26,35 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check residual tests benchmarks
 
-# The multi-device tests run in a process of their own: they simulate 8 CPU devices,
-# which must be set before JAX starts.
-test: lint $(STAMP)
-	$(PY) -m pytest residual tests docs
-	$(PY) -m pytest tests/multidevice
-	$(PY) -m pytest --nbmake notebooks
+test: suite
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
+# The whole suite on one venv's JAX: lint, tests and doctests, the multi-device tests
+# (in a process of their own: they simulate 8 CPU devices, set before JAX starts), and
+# the notebooks.
+define suite
+	@$(1)/bin/python -c "import jax, sys; print(f'== jax {jax.__version__}, Python {sys.version.split()[0]}')"
+	$(1)/bin/python -m ruff check residual tests benchmarks
+	$(1)/bin/python -m pytest residual tests docs
+	$(1)/bin/python -m pytest tests/multidevice
+	$(1)/bin/python -m pytest --nbmake notebooks
+endef
+
+suite: $(STAMP)
+	$(call suite,$(VENV))
+
+# The suite on every other supported JAX release; `make -j2 test-jax` runs them side by side.
+test-jax: $(JAX_VENVS:%=suite-%)
+
+suite-%: %/.installed
+	$(call suite,$*)
+
+$(JAX_VENVS:%=%/.installed): pyproject.toml
+	test -x $(@D)/bin/python || $(PYTHON312) -m venv $(@D)
+	$(@D)/bin/python -m pip install --quiet --upgrade pip
+	$(@D)/bin/python -m pip install -e ".[test,notebooks]" \
+		"jax==$(jax_version$(@D))" "jaxlib==$(jax_version$(@D))"
+	touch $@
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
@@ -34,4 +63,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/speed.py
 
 clean:
-	rm -rf $(VENV) site .pytest_cache
+	rm -rf $(VENV) $(JAX_VENVS) site .pytest_cache
