@@ -120,7 +120,7 @@ def test_report_numbers_each_row_once_in_order_and_counts_every_iteration():
     sections = list(dict.fromkeys(r.section for r in report.rows))
     # The function first, then each scan body after the one around it, in program order.
     assert sections == ["", "body1", "body2", "body3"]
-    assert [r.iterations for r in report.rows if r.section == "body2"][0] == 6
+    assert {r.iterations for r in report.rows if r.section == "body2"} == {6}
     assert {r.iterations for r in report.rows if r.section in ("body1", "body3")} == {2}
     for section in sections:
         indices = [r.index for r in report.rows if r.section == section]
