@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: demo test lint docs bench clean
 
@@ -13,8 +14,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test,docs,notebooks]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The demo needs the package and its dependencies (jax, equinox, optax) only; pip shows
+# its progress, since downloading jaxlib is most of a first run.
+$(DEMO_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	@echo "Installing residual with jax, equinox and optax into $(VENV) (first run only)"
+	$(PY) -m pip install -e .
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(PY) -m residual demo
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+	@echo "Built site/index.html. To browse while editing: $(PY) -m mkdocs serve"
 
 lint: $(STAMP)
 	$(PY) -m ruff check residual tests benchmarks
