@@ -84,7 +84,7 @@ def main(steps: int = 30, width: int = 128, depth: int = 4, batch: int = 256) ->
     print(f"Policy: Quantize(bits=8): each float residual of at least {policy.min_bytes // 1024}"
           f" KiB is stored as int8,\nwith a float32 scale per {policy.group_size} values.\n")
     report = inspect(loss_of_params, params, x, y, policy=policy)
-    print(report, "\n")
+    print(report, end="\n\n")
 
     check = gradcheck(loss_of_params, params, x, y, policy=policy)
     worst = check.residuals[0] if check.residuals else None
@@ -92,7 +92,7 @@ def main(steps: int = 30, width: int = 128, depth: int = 4, batch: int = 256) ->
         f"gradcheck {'OK' if check.ok else 'FAILED'}: the gradient is within "
         f"{check.grad_rel_error:.2%} of plain jax.grad's (tolerance {check.rtol:.0%});"
         + (f"\nworst round trip unpack(pack(x)): {worst.max_rel_error:.2%} of max |x|, "
-           f"residual #{worst.info.index} ({worst.info.primitive})." if worst else "")
+           f"residual {_label(worst.info)} ({worst.info.primitive})." if worst else "")
         + "\n"
     )
 
@@ -105,12 +105,17 @@ def main(steps: int = 30, width: int = 128, depth: int = 4, batch: int = 256) ->
     (plain_losses, plain_times), (int8_losses, int8_times) = curves.values()
     t = report.totals
     plain_mib, int8_mib = t["plain_temp_bytes"] / 2**20, t["hooked_temp_bytes"] / 2**20
+    step_ratio = statistics.median(int8_times) / statistics.median(plain_times)
     print("\nSummary, int8 residuals against plain jax.grad, both measured in this run:")
-    print(f"  memory     {t['temp_ratio']:.2f}x  compiled jit(grad) temp memory, "
+    print(f"  memory     {t['temp_ratio']:7.2f}x  compiled jit(grad) temp memory, "
           f"{int8_mib:.1f} MiB against {plain_mib:.1f} MiB")
-    print(f"  step time  {statistics.median(int8_times) / statistics.median(plain_times):.2f}x  "
-          "median step after compilation (on CPU, packing and unpacking cost time)")
-    print(f"  loss       {int8_losses[-1] / plain_losses[-1]:.4f}x  final training loss")
+    print(f"  step time  {step_ratio:7.2f}x  median step after compilation")
+    print(f"  loss       {int8_losses[-1] / plain_losses[-1]:7.4f}x  final training loss")
+
+
+def _label(info) -> str:
+    """The residual's number as the report shows it (the demo has one scan body)."""
+    return f"body[{info.index}]" if info.in_scan else str(info.index)
 
 
 def _train(plain, hooked, params, x, y, steps: int) -> dict[str, tuple[list, list]]:

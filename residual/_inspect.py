@@ -58,7 +58,7 @@ HOW = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Report:
     """The residuals of one function at one set of arguments, before and after a policy.
 
@@ -89,7 +89,7 @@ class Report:
     sections: dict[str, str] = dataclasses.field(default_factory=dict)
     notes: tuple[str, ...] = ()
 
-    def __str__(self) -> str:
+    def __repr__(self) -> str:
         return self.text()
 
     def text(self, width: int | None = 100) -> str:
@@ -183,7 +183,9 @@ class Report:
                 text = html.escape(f"{section}: {self.sections.get(section, '')}")
                 body.append(f'<tr><td colspan="{len(columns)}"><b>{text}</b></td></tr>')
             body.append("<tr>" + "".join(
-                f"<td>{html.escape(cell(row))}</td>" for _, cell, _ in columns) + "</tr>")
+                f'<td style="text-align:right">{html.escape(cell(row))}</td>'
+                if name in ("x", "size", "stored") else f"<td>{html.escape(cell(row))}</td>"
+                for name, cell, _ in columns) + "</tr>")
         legend = "<br>".join(html.escape(line) for line in _legend(self.rows))
         summary = "<br>".join(html.escape(s) for s in [*self._summary(), *self.notes])
         return (
@@ -208,11 +210,11 @@ class Report:
 
         Examples:
             >>> import jax.numpy as jnp, residual
-            >>> report = residual.inspect(lambda x: jnp.sum(jnp.tanh(x) ** 2), jnp.ones(8),
+            >>> report = residual.inspect(lambda x: jnp.sum(jnp.sin(x)), jnp.ones(8),
             ...                           compiled=False)
             >>> [(d["label"], d["primitive"], d["how"], d["total_bytes"])
             ...  for d in report.to_dicts()]
-            [('0', 'tanh', 'kept', 32)]
+            [('0', 'cos', 'kept', 32)]
         """
         return [{**dataclasses.asdict(r), "total_bytes": r.total_bytes} for r in self.rows]
 
@@ -433,8 +435,8 @@ def _describe_section(call: list[Record]) -> str:
     common = "/".join(p[0] for p in zip(*paths) if len(set(p)) == 1) if paths else ""
     where = f" in scope '{common}'" if common else ""
     if first.info.in_scan:
-        return (f"a lax.scan body{where}, its residuals stored at each of "
-                f"{first.iterations} iterations (x)")
+        times = "once" if first.iterations == 1 else f"at each of {first.iterations} iterations"
+        return f"a lax.scan body{where}, its residuals stored {times} (x)"
     return f"an inner hooked call{where}"
 
 
