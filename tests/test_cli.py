@@ -62,10 +62,11 @@ def test_help_describes_the_commands_with_examples(capsys):
 
 
 def test_inspect_with_dtype_specs(model_dir, capsys):
-    assert main(["inspect", "tinymodel:loss", "--arg", "f32[32,32]", "--arg", "8x32",
+    assert main(["inspect", "tinymodel:loss", "--arg", "f32[128,128]", "--arg", "256x128",
                  "--policy", "int8"]) == 0
     out = capsys.readouterr().out
-    assert "tanh" in out and "Quantize(bits=8)" in out and "temp memory" in out
+    assert "under Quantize(bits=8)" in out and " packed " in out and "temp memory" in out
+    assert "f32[256,128]" in out and "tinymodel.py:7 (loss)" in out
     assert max(len(line) for line in out.splitlines()) <= 100
 
 
