@@ -11,6 +11,7 @@ PYTHON312 ?= $(or $(lastword $(wildcard $(shell pyenv root 2>/dev/null)/versions
 JAX_VENVS := .venv-jax011 .venv-jax012
 jax_version.venv-jax011 := 0.11.2
 jax_version.venv-jax012 := 0.12.0.1
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: demo test suite test-jax lint docs bench clean
 
@@ -20,8 +21,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test,docs,notebooks]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The demo needs the package and its dependencies (jax, equinox, optax) only; pip shows
+# its progress, since downloading jaxlib is most of a first run.
+$(DEMO_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	@echo "Installing residual with jax, equinox and optax into $(VENV) (first run only)"
+	$(PY) -m pip install -e .
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(PY) -m residual demo
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+	@echo "Built site/index.html. To browse while editing: $(PY) -m mkdocs serve"
 
 lint: $(STAMP)
 	$(PY) -m ruff check residual tests benchmarks

@@ -13,7 +13,9 @@ import jax.test_util
 import numpy as np
 
 from ._info import ResidualInfo
+from ._inspect import nothing_packed
 from ._policy import FunctionHooks, Policy, as_policy
+from ._record import recording
 from ._transform import with_hooks
 
 
@@ -37,6 +39,7 @@ class GradcheckResult:
         finite_differences: `True`/`False` when checked against finite differences,
             `None` when skipped (it needs float64 inputs).
         residuals: one `ResidualCheck` per packed residual, worst first.
+        note: why the policy packed nothing, when it did not (`""` otherwise).
     """
 
     ok: bool
@@ -44,6 +47,7 @@ class GradcheckResult:
     rtol: float
     finite_differences: bool | None
     residuals: tuple[ResidualCheck, ...]
+    note: str = ""
 
     def __repr__(self) -> str:
         verdict = "OK" if self.ok else "FAILED"
@@ -51,7 +55,7 @@ class GradcheckResult:
         lines = [
             f"gradcheck {verdict}: relative gradient error {self.grad_rel_error:.2e} "
             f"(tolerance {self.rtol:.0e}); finite differences: {fd[self.finite_differences]}",
-            f"{len(self.residuals)} residuals packed; worst round trips:",
+            self.note or f"{len(self.residuals)} residuals packed; worst round trips:",
         ]
         for check in self.residuals[:5]:
             lines.append(
@@ -115,7 +119,8 @@ def gradcheck(
     sink = _Sink()
     hooked = with_hooks(f, policy=_RoundTrip(inner, sink))
     expected = _gradient(f, args)
-    got = _gradient(hooked, args)
+    with recording() as records:
+        got = _gradient(hooked, args)
     jax.effects_barrier()
     errors = [
         float(jnp.linalg.norm((g - e).ravel()) / (jnp.linalg.norm(e.ravel()) + 1e-30))
@@ -132,7 +137,8 @@ def gradcheck(
         except AssertionError:
             finite_differences = False
     ok = grad_error <= rtol and finite_differences is not False
-    result = GradcheckResult(ok, grad_error, rtol, finite_differences, sink.checks())
+    result = GradcheckResult(ok, grad_error, rtol, finite_differences, sink.checks(),
+                             nothing_packed(records, inner) or "")
     if raise_on_failure and not ok:
         raise AssertionError(repr(result))
     return result

@@ -140,7 +140,7 @@ def hooked_call(
             # the scan's operand: the enclosing call sees and reports it.
             if not (in_scan and residual.info.kept_alive and isinstance(plan, Raw)):
                 record(Record(residual.info, policy, plan.nbytes(stored, residual.info),
-                              iterations or 1))
+                              iterations or 1, plan, analysis))
         recompute = None
         if any(isinstance(p, Recompute) for p in plans):
             recompute = PlannedRecompute(analysis, plans)

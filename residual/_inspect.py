@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import html
+import os
+import sys
+import sysconfig
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -12,26 +16,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _jax_private as jp
 from ._policy import Policy
 from ._record import Record, recording
+from ._residuals import _follow, _Origin, _producers
 from ._transform import with_hooks
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One residual in a `Report`: its metadata and what the policy stores for it."""
+    """One stored residual in a `Report` (see `Report.to_dicts` for the fields)."""
 
+    label: str
+    section: str
     index: int
     shape: tuple[int, ...]
     dtype: str
-    nbytes: int  # per iteration
-    iterations: int  # times stored (scan trip counts); 1 outside scans
+    nbytes: int
+    iterations: int
     primitive: str | None
     source: str | None
     scope: str
     name: str | None
-    policy: str  # the policy that handles it, "-" when stored as it is
-    stored_bytes: int  # what is stored, all iterations together
+    policy: str
+    how: str
+    stored_bytes: int
 
     @property
     def total_bytes(self) -> int:
@@ -39,73 +48,190 @@ class Row:
         return self.nbytes * self.iterations
 
 
-@dataclasses.dataclass(frozen=True)
+# What each `how` means, for the legends.
+HOW = {
+    "kept": "stored as it is",
+    "packed": "stored as what the policy's `pack` returned",
+    "derived": "not stored: recomputed in the backward from other stored residuals",
+    "view": "not stored apart: re-taken from an input that stays alive anyway",
+    "recomputed": "not stored: recomputed in the backward from the inputs",
+}
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
 class Report:
     """The residuals of one function at one set of arguments, before and after a policy.
 
+    `print(report)` gives a table that fits 100 columns, `report.text(width=None)` the
+    wide form with every column whole, `report` in Jupyter an HTML table with a
+    legend. Each row is one stored residual, numbered as error messages and
+    `gradcheck` number it: `12` for the function's own residuals, `body[3]` for those
+    of a `lax.scan` body (`body1[3]`, `body2[3]` with several), listed once with their
+    trip count in `x`. `size` and `stored` are per training step, all scan iterations
+    together, so the two read in the same unit.
+
     Attributes:
-        rows: one `Row` per residual (residuals inside scan bodies once, with their
-            trip count in `iterations`).
+        rows: the rows, in the table's order; `report.to_dicts()` gives them as
+            dictionaries (what each field means is there).
         totals: `residual_bytes` (unpacked), `stored_bytes` (under the policy),
-            `ratio`, and with `compiled=True` XLA's temp memory of the backward
-            without (`plain_temp_bytes`) and with (`hooked_temp_bytes`) the policy
-            and `temp_ratio`.
-        policy: repr of the policy inspected.
+            `ratio`, and with `compiled=True` XLA's temp memory of the compiled
+            forward and backward (`jit` of `vjp`, as `jit(grad)` runs them) without
+            (`plain_temp_bytes`) and with (`hooked_temp_bytes`) the policy and
+            `temp_ratio`.
+        policy: the policy inspected, as the table's title names it.
+        notes: sentences on what the figures mean here (when the policy packed
+            nothing and why; when packing does not lower the compiled memory).
     """
 
     rows: tuple[Row, ...]
     totals: dict[str, Any]
     policy: str
+    sections: dict[str, str] = dataclasses.field(default_factory=dict)
+    notes: tuple[str, ...] = ()
 
-    def __str__(self) -> str:
-        header = ("#", "shape", "dtype", "bytes", "x", "primitive", "source", "scope",
-                  "name", "policy", "stored")
-        lines = [header]
-        for r in self.rows:
-            lines.append((
-                str(r.index), _shape(r.shape), r.dtype, _bytes(r.nbytes),
-                str(r.iterations) if r.iterations > 1 else "", r.primitive or "(input)",
-                r.source or "", r.scope, r.name or "", r.policy, _bytes(r.stored_bytes),
-            ))
-        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-        text = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
-        text.insert(1, "-" * len(text[0]))
-        legend = "bytes: one iteration; x: scan iterations; stored: all iterations together"
-        return "\n".join([f"Residuals under {self.policy}:", *text, legend, "",
-                          *self._summary()])
+    def __repr__(self) -> str:
+        return self.text()
+
+    def text(self, width: int | None = 100) -> str:
+        """The report as text, at most `width` columns wide (`None`: every column whole)."""
+        columns = self._columns(wide=width is None)
+        if width is not None:
+            columns = _fitting(columns, self.rows, width)
+        header = tuple(name for name, _, _ in columns)
+        body: list[tuple[str, ...] | str] = []
+        section = ""
+        for row in self.rows:
+            if row.section != section:
+                section = row.section
+                body.append(f"{section}: {self.sections.get(section, '')}")
+            body.append(tuple(cell(row) for _, cell, _ in columns))
+        cells = [header, *(line for line in body if isinstance(line, tuple))]
+        widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
+        for title in ("policy", "name", "scope", "source"):
+            excess = sum(widths) + 2 * (len(widths) - 1) - (width or sum(widths))
+            if title in header and excess > 0:
+                i = header.index(title)
+                widths[i] -= min(excess, widths[i] - (10 if title != "source" else 0))
+        right = {"x", "size", "stored"}
+
+        def render(line: tuple[str, ...]) -> str:
+            parts = []
+            for name, cell, w in zip(header, line, widths):
+                cell = _cut(cell, w, keep_end=name == "scope")
+                parts.append(cell.rjust(w) if name in right else cell.ljust(w))
+            return "  ".join(parts).rstrip()
+
+        lines = [f"Residuals stored for the backward, under {self.policy}:", render(header)]
+        lines.append("-" * len(lines[-1]))
+        lines += [render(line) if isinstance(line, tuple) else line for line in body]
+        legend = _legend(self.rows)
+        if width is not None:
+            legend = [piece for line in legend for piece in textwrap.wrap(line, width)]
+        lines += ["", *legend, "", *self._summary()]
+        for note in self.notes:
+            lines += [""] + (textwrap.wrap(note, width) if width is not None else [note])
+        return "\n".join(lines)
+
+    def _columns(self, wide: bool):
+        """(header, cell of a row, may be cut to fit) for each column worth showing."""
+        rows = self.rows
+        policies = {r.policy for r in rows if r.policy != "-"}
+        columns = [
+            ("#", lambda r: r.label, False),
+            ("array", lambda r: _array(r.dtype, r.shape), False),
+            ("x", lambda r: str(r.iterations) if r.iterations > 1 else "", False),
+            ("size", lambda r: _pair(r.total_bytes, r.stored_bytes)[0], False),
+            ("how", lambda r: r.how, False),
+            ("stored", lambda r: _pair(r.total_bytes, r.stored_bytes)[1], False),
+            ("policy", lambda r: r.policy, True),
+            ("op", lambda r: r.primitive or "(input)", False),
+            ("scope", lambda r: r.scope, True),
+            ("name", lambda r: r.name or "", True),
+            ("source", lambda r: r.source or "", True),
+        ]
+        shown = []
+        for column in columns:
+            title, cell, _ = column
+            if not wide and title == "policy" and len(policies) <= 1:
+                continue  # one policy: the title names it
+            if title in ("#", "size", "stored", "how") or any(cell(r) for r in rows):
+                shown.append(column)
+        return shown
 
     def _summary(self) -> list[str]:
         t = self.totals
+        before, after = _pair(t["residual_bytes"], t["stored_bytes"])
         lines = [
-            f"residuals: {len(self.rows)}, {_bytes(t['residual_bytes'])} unpacked, "
-            f"{_bytes(t['stored_bytes'])} stored ({t['ratio']:.2f}x)"
+            f"{len(self.rows)} residuals: {before} per step unpacked, {after} stored "
+            f"({t['ratio']:.2f}x)"
         ]
         if "plain_temp_bytes" in t:
+            plain, hooked = _pair(t["plain_temp_bytes"], t["hooked_temp_bytes"])
             lines.append(
-                f"compiled backward temp memory: plain jax.grad {_bytes(t['plain_temp_bytes'])}"
-                f", with the policy {_bytes(t['hooked_temp_bytes'])} ({t['temp_ratio']:.2f}x)"
+                f"compiled jit(grad) temp memory: {plain} plain, {hooked} under the policy "
+                f"({t['temp_ratio']:.2f}x)"
             )
         return lines
 
     def _repr_html_(self) -> str:
-        head = ["#", "shape", "dtype", "bytes", "iterations", "primitive", "source", "scope",
-                "name", "policy", "stored"]
-        cells = [
-            [r.index, _shape(r.shape), r.dtype, _bytes(r.nbytes), r.iterations,
-             r.primitive or "(input)", r.source or "", r.scope, r.name or "", r.policy,
-             _bytes(r.stored_bytes)]
-            for r in self.rows
-        ]
-        rows = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
-            for row in cells
-        )
-        summary = "<br>".join(html.escape(s) for s in self._summary())
+        columns = self._columns(wide=True)
+        head = "".join(f"<th>{html.escape(name)}</th>" for name, _, _ in columns)
+        body, section = [], ""
+        for row in self.rows:
+            if row.section != section:
+                section = row.section
+                text = html.escape(f"{section}: {self.sections.get(section, '')}")
+                body.append(f'<tr><td colspan="{len(columns)}"><b>{text}</b></td></tr>')
+            body.append("<tr>" + "".join(
+                f'<td style="text-align:right">{html.escape(cell(row))}</td>'
+                if name in ("x", "size", "stored") else f"<td>{html.escape(cell(row))}</td>"
+                for name, cell, _ in columns) + "</tr>")
+        legend = "<br>".join(html.escape(line) for line in _legend(self.rows))
+        summary = "<br>".join(html.escape(s) for s in [*self._summary(), *self.notes])
         return (
-            f"<div><b>Residuals under {html.escape(self.policy)}</b>"
-            f"<table><thead><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr></thead>"
-            f"<tbody>{rows}</tbody></table><p>{summary}</p></div>"
+            f"<div><b>Residuals stored for the backward, under {html.escape(self.policy)}</b>"
+            f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+            f"<p><small>{legend}</small></p><p>{summary}</p></div>"
         )
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        """The rows as plain data: one dictionary per stored residual, in table order.
+
+        Keys: `label` (`"12"`, `"body[3]"`: unique, as in the table), `section` (`""`
+        for the function's own residuals, `"body"`, `"body2"`, ... for scan bodies),
+        `index` (the residual's number within its section, as error messages give
+        it), `shape` and `dtype` (one iteration's), `nbytes` (one iteration's
+        bytes), `iterations` (times stored: the scans' trip counts), `total_bytes`
+        (`nbytes * iterations`), `primitive` (`None` for an input), `source`
+        (`"model.py:12 (loss)"`, `"In[3]:4 (loss)"` in a notebook), `scope`
+        (`jax.named_scope`s), `name` (`checkpoint_name`), `policy` (`"-"` when
+        none applies), `how` (`"kept"`, `"packed"`, `"derived"`, `"view"`,
+        `"recomputed"`) and `stored_bytes` (all iterations).
+
+        Examples:
+            >>> import jax.numpy as jnp, residual
+            >>> report = residual.inspect(lambda x: jnp.sum(jnp.sin(x)), jnp.ones(8),
+            ...                           compiled=False)
+            >>> [(d["label"], d["primitive"], d["how"], d["total_bytes"])
+            ...  for d in report.to_dicts()]
+            [('0', 'cos', 'kept', 32)]
+        """
+        return [{**dataclasses.asdict(r), "total_bytes": r.total_bytes} for r in self.rows]
+
+    def to_dataframe(self):
+        """`to_dicts()` as a pandas `DataFrame`.
+
+        Raises:
+            ImportError: pandas is not installed (`pip install pandas`).
+        """
+        try:
+            import pandas as pd
+        except ImportError as e:
+            raise ImportError(
+                "`Report.to_dataframe` needs pandas: `pip install pandas`, or use "
+                "`report.to_dicts()`, the same rows as a list of dictionaries."
+            ) from e
+        return pd.DataFrame(self.to_dicts())
 
     def plot(self, by: str = "scope"):
         """A matplotlib figure: bytes per `by` ("scope" or "primitive"), before vs after.
@@ -177,7 +303,7 @@ def inspect(
     probe = policy if policy is not None else Identity()
     with recording() as records:
         jax.eval_shape(lambda *a: _backward(with_hooks(fn, policy=probe))(*a), *args)
-    rows = tuple(_row(r, policy is not None) for r in records)
+    rows, sections = _rows(records, policy is not None)
     residual_bytes = sum(r.total_bytes for r in rows)
     stored = sum(r.stored_bytes for r in rows)
     totals: dict[str, Any] = {
@@ -193,7 +319,53 @@ def inspect(
             hooked_temp_bytes=hooked,
             temp_ratio=hooked / plain if plain else 1.0,
         )
-    return Report(rows, totals, _label(policy) if policy is not None else "plain jax.grad")
+    notes = []
+    if policy is not None:
+        nothing = nothing_packed(records, policy)
+        if nothing:
+            notes.append(nothing)
+        elif compiled and totals["temp_ratio"] > 0.95:
+            notes.append(
+                f"The compiled program is not smaller ({totals['temp_ratio']:.2f}x): its "
+                "residuals are a small part of its memory, or XLA kept the floats alive "
+                "next to the packed form. Packing pays on deep or wide models with large "
+                "activations; on shallow or small ones, keep plain `jax.grad`."
+            )
+    label = _label(policy) if policy is not None else "plain jax.grad"
+    return Report(rows, totals, label, sections, tuple(notes))
+
+
+def nothing_packed(records: list[Record], policy: Policy) -> str | None:
+    """Why `policy` packed none of these residuals, or `None` when it packed some."""
+    if any(r.how != "kept" for r in records):
+        return None
+    name = _label(policy)
+    if not records:
+        return f"{name} packed nothing: the function saves no residuals at these arguments."
+    min_bytes = getattr(policy, "min_bytes", None)
+    reasons: dict[str, int] = {}
+    small = []
+    for r in records:
+        info = r.info
+        if not jnp.issubdtype(info.dtype, jnp.floating):
+            reason = "not floating point (indices, masks: never approximated)"
+        elif info.kept_alive:
+            reason = "alive anyway (inputs, weights: a packed copy would add memory)"
+        elif isinstance(min_bytes, int) and info.nbytes < min_bytes:
+            reason = f"smaller than its `min_bytes={min_bytes}`"
+            small.append(info.nbytes)
+        else:
+            reason = "left as it is by the policy itself"
+        reasons[reason] = reasons.get(reason, 0) + 1
+    parts = [f"{n} {'is' if n == 1 else 'are'} {reason}" for reason, n in reasons.items()]
+    text = f"{name} packed nothing: of {len(records)} residuals, {', '.join(parts)}."
+    if small:
+        text += (
+            f" The largest is {_bytes(max(small))}: residuals this small cost little, and "
+            "packing pays only on large activations (wide layers, big batches, deep models). "
+            "To pack them anyway, pass `min_bytes=0`."
+        )
+    return text
 
 
 def _backward(fn: Callable) -> Callable:
@@ -210,16 +382,160 @@ def _temp_bytes(fn: Callable, args) -> int:
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-def _row(record: Record, with_policy: bool) -> Row:
+def _rows(records: list[Record], with_policy: bool) -> tuple[tuple[Row, ...], dict[str, str]]:
+    """The rows in table order, and a line on each section (a scan body, an inner call)."""
+    calls: dict[int, list[Record]] = {}
+    for r in records:
+        calls.setdefault(id(r.call), []).append(r)
+    ordered = _outermost_first(list(calls.values()))
+    bodies = [c for c in ordered[1:] if c[0].info.in_scan]
+    others = [c for c in ordered[1:] if not c[0].info.in_scan]
+    names = {id(ordered[0][0].call): ""} if ordered else {}
+    for kind, group in (("body", bodies), ("call", others)):
+        for k, call in enumerate(group, 1):
+            names[id(call[0].call)] = kind if len(group) == 1 else f"{kind}{k}"
+    rows, sections = [], {}
+    for call in ordered:
+        section = names[id(call[0].call)]
+        if section:
+            sections[section] = _describe_section(call)
+        for r in sorted(call, key=lambda r: r.info.index):
+            rows.append(_row(r, section, with_policy))
+    return tuple(rows), sections
+
+
+def _outermost_first(calls: list[list[Record]]) -> list[list[Record]]:
+    """Calls in the order a reader meets them: the function, then its scan bodies, nested.
+
+    Calls record their residuals as their tracing ends, so an inner call (a scan body)
+    comes before the call around it, and sibling calls in program order. A scan
+    body's records are stored more times than those of the call around it.
+    """
+    stack: list[tuple[list[Record], list]] = []
+    for call in calls:
+        children = []
+        while stack and stack[-1][0][0].iterations > call[0].iterations:
+            children.append(stack.pop())
+        stack.append((call, children[::-1]))
+    ordered: list[list[Record]] = []
+
+    def visit(node):
+        ordered.append(node[0])
+        for child in node[1]:
+            visit(child)
+
+    for node in reversed(stack):
+        visit(node)
+    return ordered
+
+
+def _describe_section(call: list[Record]) -> str:
+    first = call[0]
+    paths = [r.info.scope.split("/") for r in call if r.info.scope]
+    common = "/".join(p[0] for p in zip(*paths) if len(set(p)) == 1) if paths else ""
+    where = f" in scope '{common}'" if common else ""
+    if first.info.in_scan:
+        times = "once" if first.iterations == 1 else f"at each of {first.iterations} iterations"
+        return f"a lax.scan body{where}, its residuals stored {times} (x)"
+    return f"an inner hooked call{where}"
+
+
+def _row(record: Record, section: str, with_policy: bool) -> Row:
     info = record.info
     stored = record.stored_bytes if with_policy else info.nbytes
     policy = _label(record.policy) if with_policy and record.policy is not None else "-"
+    label = f"{section}[{info.index}]" if section else str(info.index)
     return Row(
-        index=info.index, shape=tuple(info.shape), dtype=np.dtype(info.dtype).name,
-        nbytes=info.nbytes, iterations=record.iterations, primitive=info.primitive,
-        source=info.source, scope=info.scope, name=info.name, policy=_short(policy),
+        label=label, section=section, index=info.index, shape=tuple(info.shape),
+        dtype=np.dtype(info.dtype).name, nbytes=info.nbytes, iterations=record.iterations,
+        primitive=info.primitive, source=_user_source(record), scope=info.scope,
+        name=info.name, policy=_short(policy), how=record.how if with_policy else "kept",
         stored_bytes=stored * record.iterations,
     )
+
+
+def _user_source(record: Record) -> str | None:
+    """The innermost frame of the user's own code (not a library's) that made the residual."""
+    call, info = record.call, record.info
+    if call is None or info.primitive is None:
+        return info.source
+    jaxpr = call.closed.jaxpr
+    origin = _Origin(scopes=[], in_scan=False)
+    _follow(jaxpr.outvars[call.num_outputs + info.index], _producers(jaxpr),
+            {v: i for i, v in enumerate(jaxpr.invars)}, origin)
+    for eqn in (origin.eqn, *origin.enclosing):
+        for file_name, line, function in jp.source_frames(eqn) if eqn is not None else ():
+            if not _is_library(file_name):
+                function = function.replace("<locals>.", "")
+                return f"{_file_label(file_name)}:{line} ({function})"
+    return info.source
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_DEMO = os.path.join(_PACKAGE, "_demo.py")  # plays the user's part in `python -m residual demo`
+_LIBRARIES = tuple(
+    os.path.join(sysconfig.get_paths()[key], "") for key in ("stdlib", "purelib", "platlib")
+)
+
+
+def _is_library(file_name: str) -> bool:
+    if file_name == _DEMO:
+        return False
+    return (file_name.startswith((_PACKAGE, *_LIBRARIES))
+            or f"{os.sep}site-packages{os.sep}" in file_name
+            or f"{os.sep}dist-packages{os.sep}" in file_name)
+
+
+def _file_label(file_name: str) -> str:
+    """`model.py`, or `In[3]` for a notebook cell (IPython names cells by temp files)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    named = getattr(getattr(shell, "compile", None), "format_code_name", lambda _: None)
+    cell = named(file_name)
+    return cell[1] if cell else os.path.basename(file_name)
+
+
+def _legend(rows: tuple[Row, ...]) -> list[str]:
+    lines = ["size: a residual's bytes per step, all scan iterations together; stored: the bytes "
+             "kept for the backward in its place."]
+    if any(r.iterations > 1 for r in rows):
+        lines.append("x: times a scan body stores it (array: one iteration's shape); the "
+                     "function's own numbers skip what its scan bodies store, listed apart.")
+    hows = [h for h in HOW if any(r.how == h for r in rows)]
+    lines += [f"{h}: {HOW[h]}" for h in hows]
+    return lines
+
+
+def _fitting(columns: list, rows: tuple[Row, ...], width: int) -> list:
+    """The columns that fit in `width`: the source first (`file:line` at least), then the
+    scope, the name and the policy while each fits whole or at 10 characters."""
+    def needed(column, short=False):
+        cells = [column[0], *(column[1](r) for r in rows)]
+        if short:
+            cells = [c.split(" (")[0] for c in cells]
+        return max(len(c) for c in cells)
+
+    fixed = [c for c in columns if not c[2]]
+    room = width - sum(needed(c) + 2 for c in fixed)
+    chosen = {"source"} if any(c[0] == "source" for c in columns) else set()
+    room -= sum(needed(c, short=True) + 2 for c in columns if c[0] in chosen)
+    for title in ("scope", "name", "policy"):
+        column = next((c for c in columns if c[0] == title), None)
+        if column is not None and room >= min(needed(column), 10) + 2:
+            chosen.add(title)
+            room -= min(needed(column), max(room - 2, 10)) + 2
+    return [c for c in columns if not c[2] or c[0] in chosen]
+
+
+def _cut(text: str, width: int, keep_end: bool = False) -> str:
+    """`text` in `width` characters: a source line loses its function first, then its end."""
+    if len(text) <= width:
+        return text
+    if " (" in text and len(text.split(" (")[0]) <= width:
+        return text.split(" (")[0]
+    if keep_end:
+        return "..." + text[len(text) - width + 3:]
+    return text[: max(width - 3, 0)] + "..."
 
 
 def _label(policy: Policy) -> str:
@@ -253,13 +569,23 @@ def _short(text: str) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _shape(shape) -> str:
-    return "[" + ",".join(map(str, shape)) + "]"
+def _array(dtype: str, shape) -> str:
+    """`f32[256,128]`, as `jax.ad_checkpoint.print_saved_residuals` writes it."""
+    short = (dtype.replace("bfloat", "bf").replace("float", "f").replace("uint", "u")
+             .replace("complex", "c").replace("int", "i"))
+    return f"{short}[{','.join(map(str, shape))}]"
+
+
+def _pair(a: float, b: float) -> tuple[str, str]:
+    """`a` and `b` in the unit that suits the larger, so that the two compare at a glance."""
+    unit, scale = "B", 1
+    for name, size in (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30)):
+        if max(a, b) >= size:
+            unit, scale = name, size
+    if unit == "B":
+        return f"{a:.0f} B", f"{b:.0f} B"
+    return tuple(f"{n / scale:.1f} {unit}" if n else "0" for n in (a, b))
 
 
 def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
+    return _pair(n, n)[0]

@@ -242,3 +242,14 @@ def varying_axes(value) -> frozenset:
     if mat is not None:
         return frozenset(mat.varying)
     return frozenset(getattr(aval, "vma", ()))
+
+
+def source_frames(eqn: JaxprEqn) -> list[tuple[str, int, str]]:
+    """(full file name, line, function) of the frames that traced `eqn`, innermost first.
+
+    JAX's own frames and the standard library's are left out; other libraries' are not.
+    """
+    return [
+        (frame.file_name, frame.start_line, frame.function_name)
+        for frame in _source_info.user_frames(eqn.source_info.traceback)
+    ]

@@ -11,8 +11,10 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 from ._info import ResidualInfo
+from ._plans import Derived, Packed, Raw, Recompute, View
 from ._policy import Policy
 
 
@@ -27,12 +29,25 @@ class Record:
             recomputed; `info.nbytes` when stored as it is).
         iterations: how many times it is stored: the product of the lengths of the
             scans around it (1 outside scans).
+        plan: how the hooked call keeps it (a `_plans` object); `how` names it.
+        call: the traced call that stored it, shared by every record of that call (a
+            scan body, a nested `with_hooks`): residual indices count within a call.
     """
 
     info: ResidualInfo
     policy: Policy | None
     stored_bytes: int
     iterations: int
+    plan: Any = None
+    call: Any = None
+
+    @property
+    def how(self) -> str:
+        """`"kept"`, `"packed"`, `"derived"`, `"view"` or `"recomputed"`."""
+        return _HOW.get(type(self.plan), "kept")
+
+
+_HOW = {Raw: "kept", Packed: "packed", Derived: "derived", View: "view", Recompute: "recomputed"}
 
 
 _RECORDERS: contextvars.ContextVar[tuple[list[Record], ...]] = contextvars.ContextVar(

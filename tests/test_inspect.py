@@ -13,7 +13,6 @@ import pytest
 
 import residual
 from residual import policies as rp
-from residual.__main__ import main
 from tests.helpers import mlp_params, scan_mlp, unrolled_mlp
 
 # What tanh's derivative saves: y (and 1 - y) on jax 0.10, 1 - y² from jax 0.11 on.
@@ -56,9 +55,11 @@ def test_report_rows_scan_iterations_and_policy_effect():
     assert any(r.policy.startswith("Quantize(bits=8") for r in report.rows)
     text = str(report)
     assert re.search("tanh|one_minus_square", text)
-    assert "compiled backward temp memory" in text and "x" in text
+    assert "compiled jit(grad) temp memory" in text
     html = report._repr_html_()
-    assert html.count("<tr>") == len(report.rows) + 1 and "Quantize" in html
+    sections = len({r.section for r in report.rows} - {""})
+    assert html.count("<tr>") == len(report.rows) + 1 + sections and "Quantize" in html
+    assert "packed: stored as what the policy" in html  # the legend
 
 
 def test_report_plot_is_a_figure():
@@ -99,22 +100,112 @@ def test_gradcheck_uses_finite_differences_in_float64():
         assert result.ok and result.finite_differences is True
 
 
-def test_cli_inspect(tmp_path, monkeypatch, capsys):
-    (tmp_path / "tinymodel.py").write_text(
-        "import jax.numpy as jnp\n"
-        "def loss(w, x):\n"
-        "    return jnp.sum(jnp.tanh(x @ w) ** 2)\n"
-    )
-    monkeypatch.chdir(tmp_path)
-    assert main(["inspect", "tinymodel:loss", "--shape", "32x32", "--shape", "8x32",
-                 "--policy", "int8"]) == 0
-    out = capsys.readouterr().out
-    assert re.search("tanh|one_minus_square", out)
-    assert "Quantize(bits=8" in out and "temp memory" in out
+def _two_scans(ws, x):
+    """Two scans, the first with a scan inside its body: three bodies, each numbered apart."""
+
+    def outer(h, w):
+        def inner(g, _):
+            return jnp.tanh(g @ w), None
+
+        h, _ = jax.lax.scan(inner, h, None, length=3)
+        return jnp.sin(h), None
+
+    h, _ = jax.lax.scan(outer, x, ws)
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, ws)
+    return jnp.sum(h**2)
 
 
-def test_cli_demo_runs(capsys):
-    with jax.numpy_dtype_promotion("standard"):  # optax's losses mix dtypes
-        assert main(["demo", "--steps", "3"]) == 0
-    out = capsys.readouterr().out
-    assert "gradcheck OK" in out and "final loss ratio" in out and "x of plain jax.grad" in out
+def test_report_numbers_each_row_once_in_order_and_counts_every_iteration():
+    ws, x = mlp_params(layers=2, width=64, batch=64)
+    report = residual.inspect(_two_scans, ws, x, policy=rp.Quantize(bits=8, min_bytes=0),
+                              compiled=False)
+    labels = [r.label for r in report.rows]
+    assert len(set(labels)) == len(labels)
+    sections = list(dict.fromkeys(r.section for r in report.rows))
+    # The function first, then each scan body after the one around it, in program order.
+    assert sections == ["", "body1", "body2", "body3"]
+    assert {r.iterations for r in report.rows if r.section == "body2"} == {6}
+    assert {r.iterations for r in report.rows if r.section in ("body1", "body3")} == {2}
+    for section in sections:
+        indices = [r.index for r in report.rows if r.section == section]
+        assert indices == sorted(indices)
+        prefix = f"{section}[" if section else ""
+        assert all(r.label == (f"{prefix}{r.index}]" if section else str(r.index))
+                   for r in report.rows if r.section == section)
+    # `size` and `stored` both count every iteration: a packed row is smaller, never larger.
+    tanh = next(r for r in report.rows if r.section == "body2" and r.primitive in _TANH)
+    assert tanh.total_bytes == 6 * 64 * 64 * 4 and tanh.how == "packed"
+    assert tanh.total_bytes / 4 <= tanh.stored_bytes < tanh.total_bytes / 3
+    t = report.totals
+    assert t["residual_bytes"] == sum(r.total_bytes for r in report.rows)
+    assert t["stored_bytes"] == sum(r.stored_bytes for r in report.rows)
+    text = str(report)
+    assert max(len(line) for line in text.splitlines()) <= 100
+    line = next(line for line in text.splitlines() if line.startswith(tanh.label + " "))
+    assert re.search(r"96\.0 KiB +packed +25\.5 KiB", line)  # one unit on both sides
+    wide = report.text(width=None)
+    assert max(len(line) for line in wide.splitlines()) > 100 and "Quantize" in wide
+
+
+def test_report_says_how_each_residual_is_kept():
+    ws, x = mlp_params(layers=3, width=64, batch=32)
+    # Unrolled: tanh's 1 - y (or 1 - y²) is derived from the next layer's stored input.
+    report = residual.inspect(unrolled_mlp, ws, x, policy=rp.Quantize(bits=8, min_bytes=0),
+                              compiled=False)
+    hows = {r.how for r in report.rows}
+    assert {"kept", "packed", "derived"} <= hows
+    assert all(r.stored_bytes == 0 for r in report.rows if r.how == "derived")
+    plain = residual.inspect(scan_mlp, ws, x, compiled=False)
+    assert {r.how for r in plain.rows} == {"kept"} and "derived: " not in str(plain)
+    remat = residual.inspect(scan_mlp, ws, x, policy=rp.Remat(), compiled=False)
+    assert "recomputed" in {r.how for r in remat.rows}
+    assert "recomputed: not stored" in str(remat)
+
+
+def test_report_sources_name_the_users_file_not_a_librarys():
+    import equinox as eqx
+
+    layer = eqx.nn.Linear(64, 64, key=jax.random.key(0))
+
+    def loss(layer, x):
+        return jnp.sum(jnp.tanh(jax.vmap(layer)(x)) ** 2)
+
+    report = residual.inspect(loss, layer, jnp.ones((32, 64)), compiled=False)
+    sources = {r.source for r in report.rows if r.primitive is not None}
+    assert sources and all(s.startswith("test_inspect.py:") for s in sources), sources
+    assert any("(test_report_sources_name_the_users_file_not_a_librarys.loss)" in s
+               for s in sources)
+
+
+def test_report_data_forms():
+    ws, x = mlp_params(layers=2, width=32, batch=8)
+    report = residual.inspect(scan_mlp, ws, x, policy=rp.Cast(jnp.bfloat16), compiled=False)
+    rows = report.to_dicts()
+    assert [d["label"] for d in rows] == [r.label for r in report.rows]
+    assert {"label", "section", "index", "how", "total_bytes", "stored_bytes"} <= set(rows[0])
+
+
+def test_report_to_dataframe_says_what_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pandas", None)
+    report = residual.inspect(lambda v: jnp.sum(jnp.sin(v)), jnp.ones(4), compiled=False)
+    with pytest.raises(ImportError, match=r"needs pandas.*report.to_dicts\(\)"):
+        report.to_dataframe()
+
+
+def test_inspect_and_gradcheck_say_why_nothing_was_packed():
+    ws, x = mlp_params(layers=2, width=32, batch=8)
+    policy = rp.Quantize(bits=8)
+    report = residual.inspect(scan_mlp, ws, x, policy=policy, compiled=False)
+    assert report.totals["stored_bytes"] == report.totals["residual_bytes"]
+    (note,) = report.notes
+    assert re.search(r"Quantize\(bits=8\) packed nothing: of \d+ residuals, \d+ are smaller "
+                     r"than its `min_bytes=16384`", note)
+    assert "min_bytes=0" in note and "The largest is 1.0 KiB" in note
+    assert "packed nothing" in str(report)
+    check = residual.gradcheck(scan_mlp, ws, x, policy=policy)
+    assert check.ok and not check.residuals
+    assert "packed nothing" in repr(check) and "min_bytes=0" in repr(check)
+    packs = residual.gradcheck(scan_mlp, ws, x, policy=rp.Quantize(bits=8, min_bytes=0))
+    assert "packed nothing" not in repr(packs)

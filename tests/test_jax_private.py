@@ -143,3 +143,17 @@ def test_varying_axes_inside_and_outside_shard_map():
                           out_specs=spec("data")))(jnp.ones(4), jnp.ones(4))
     assert seen == {"x": frozenset({"data"}), "w": frozenset()}
     assert jp.varying_axes(jnp.ones(3)) == frozenset()
+
+
+def _traced_here(x):
+    return jnp.tanh(x)
+
+
+def test_source_frames_lists_the_callers_innermost_first():
+    eqn = jax.make_jaxpr(lambda x: _traced_here(x))(1.0).jaxpr.eqns[0]
+    if eqn.primitive.name != "tanh":  # a `jit`-wrapped `tanh`: look inside
+        eqn = eqn.params["jaxpr"].jaxpr.eqns[0]
+    frames = jp.source_frames(eqn)
+    assert frames[0][0] == __file__ and frames[0][2] == "_traced_here"
+    assert frames[1][2] == "test_source_frames_lists_the_callers_innermost_first.<locals>.<lambda>"
+    assert all(isinstance(line, int) for _, line, _ in frames)
