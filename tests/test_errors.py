@@ -43,6 +43,17 @@ def _still_works():
         np.testing.assert_array_equal(jax.grad(residual.with_hooks(_loss))(X), expected)
 
 
+@dataclasses.dataclass
+class _Unfrozen(residual.Policy):
+    scale: float = 4.0
+
+    def pack(self, x, info):
+        return x * self.scale
+
+    def unpack(self, packed, info):
+        return packed / self.scale
+
+
 def _both_modes(f):
     return [("eager", jax.grad(f)), ("jit", jax.jit(jax.grad(f)))]
 
@@ -88,6 +99,42 @@ def _both_modes(f):
         (lambda: rp.Chain(rp.Remat()), TypeError, r"two or more policies"),
         (lambda: rp.Offload("gpu_memory"), ValueError,
          r"`memory_kind` must be a host memory.*\['device', 'pinned_host', 'unpinned_host'\]"),
+        (lambda: rp.Offload(1), TypeError, r"`memory_kind` must be a string.*got int: 1"),
+        # Field types, each named: these used to fail only inside a trace.
+        (lambda: rp.Quantize(bits=4.0), TypeError,
+         r"`bits` must be an int, but got float: 4\.0\. Pass `Quantize` a whole number"),
+        (lambda: rp.Quantize(bits=True), TypeError, r"`bits` must be an int, but got bool"),
+        (lambda: rp.Quantize(stochastic=True, seed="a"), TypeError,
+         r"`seed` must be an int, but got str: 'a'"),
+        (lambda: rp.Quantize(stochastic="yes"), TypeError,
+         r"`stochastic` must be True or False, but got str: 'yes'"),
+        (lambda: rp.Quantize(group_size=True), TypeError, r"`group_size` must be an int"),
+        (lambda: rp.Quantize(min_bytes=1.5), TypeError, r"`min_bytes` must be an int"),
+        (lambda: rp.Quantize(format=8), TypeError, r"`format` must be a string.*got int: 8"),
+        (lambda: rp.Quantize(scale_dtype="half-ish"), TypeError,
+         r"`scale_dtype` must be a dtype.*got str: 'half-ish'"),
+        (lambda: rp.Cast(None), TypeError, r"`Cast\(dtype\)` needs a floating-point dtype"),
+        (lambda: rp.Profile(log=[]), TypeError,
+         r"`log` must be a `residual.policies.ProfileLog`, but got list"),
+        (lambda: rp.Chain(rp.Offload(), rp.Quantize(bits=8)), TypeError,
+         r"`Chain` argument 1, Quantize\(bits=8, \.\.\.\), comes after Offload.*host memory"
+         r".*Offload last: `Chain\(Quantize\(bits=8, \.\.\.\), Offload"),
+        (lambda: rp.Chain(rp.Offload(), rp.Cast(jnp.bfloat16)), TypeError,
+         r"`Chain` argument 1, Cast.*comes after Offload"),
+        (lambda: rp.Chain(rp.select([(rp.where(dtype=jnp.float32), rp.Offload())]),
+                          rp.Quantize(bits=8)), TypeError, r"comes after select"),
+        (lambda: rp.Chain(_Unfrozen(), rp.Offload()), TypeError,
+         r"argument 0 must be hashable.*_Unfrozen is a dataclass that is not frozen.*"
+         r"@dataclasses\.dataclass\(frozen=True\)"),
+        (lambda: rp.select([(rp.where(), _Unfrozen())]), TypeError,
+         r"the policy of rule 0 of `select` must be hashable.*frozen=True"),
+        (lambda: rp.select([], default=_Unfrozen()), TypeError,
+         r"`default` must be hashable.*frozen=True"),
+        (lambda: residual.with_hooks(_loss, policy=_Unfrozen()), TypeError,
+         r"`policy` must be hashable.*_Unfrozen is a dataclass that is not frozen.*"
+         r"`@dataclasses\.dataclass\(frozen=True\)`"),
+        (lambda: residual.saved_tensors_hooks(policy=_Unfrozen()), TypeError,
+         r"`policy` must be hashable.*`@dataclasses\.dataclass\(frozen=True\)`"),
     ],
 )
 def test_bad_arguments_fail_at_construction(call, error, message):

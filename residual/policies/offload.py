@@ -31,6 +31,7 @@ class Offload(Policy):
             memory; single-device programs only).
 
     Raises:
+        TypeError: `memory_kind` is not a string.
         ValueError: `memory_kind` is not a host kind the default device has.
 
     Examples:
@@ -45,6 +46,11 @@ class Offload(Policy):
     lossless = True
 
     def __post_init__(self):
+        if not isinstance(self.memory_kind, str):
+            raise TypeError(
+                f"`memory_kind` must be a string, \"pinned_host\" or \"unpinned_host\", but "
+                f"got {type(self.memory_kind).__name__}: {self.memory_kind!r}."
+            )
         available = [m.kind for m in jax.devices()[0].addressable_memories()]
         if self.memory_kind not in _HOST_KINDS or self.memory_kind not in available:
             hosts = [k for k in available if k in _HOST_KINDS]
