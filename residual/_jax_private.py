@@ -119,3 +119,16 @@ def varying_axes(value) -> frozenset:
     if mat is not None:
         return frozenset(mat.varying)
     return frozenset(getattr(aval, "vma", ()))
+
+
+def hide_from_tracebacks(directory: str) -> None:
+    """Leaves frames of files under `directory` out of the tracebacks JAX filters.
+
+    As equinox does for its own frames: an error raised at trace time (a `HookError`
+    for a wrong `unpack`) then ends at the user's code, not inside `residual`. JAX
+    filters tracebacks at its API boundaries (`jit`, `grad`, ...) unless
+    `JAX_TRACEBACK_FILTERING=off`.
+    """
+    from jax._src import traceback_util
+
+    traceback_util.register_exclusion(directory)
