@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,8 @@ from residual._scope import _STACK
 
 X = jnp.linspace(0.1, 1.0, 4)
 # How the engine names a residual of `_loss` in messages: index, type and producer.
-RESIDUAL = r"residual #\d+ float32\[4\] \(output of `(mul|cos|sin|integer_pow)` at [^)]*test_errors"
+RESIDUAL = (r"residual #\d+ float32\[4\] \(output of `(mul|cos|sin|integer_pow)`"
+            r"( in the derivative of `\w+`)? at [^)]*test_errors")
 
 
 def _loss(x):
@@ -191,6 +193,32 @@ def test_a_policy_breaking_the_contract_is_named_too():
     with pytest.raises(residual.HookError, match=RESIDUAL + r".*bfloat16\[4\] instead of"):
         jax.jit(jax.grad(g))(X)
     _still_works()
+
+
+def test_a_residual_made_by_a_derivative_rule_names_the_users_operation():
+    # For `tanh`, JAX saves `1 - tanh(x)`: a `sub` the user never wrote.
+    def model(x):
+        return jnp.sum(jnp.tanh(x))
+
+    line = model.__code__.co_firstlineno + 1
+    profile = rp.Profile()
+    jax.grad(residual.with_hooks(model, policy=profile))(X)
+    seen = [i.describe() for i in profile.log.infos]
+    assert any(re.search(rf"output of `sub` in the derivative of `tanh` at test_errors\.py:{line}",
+                         d) for d in seen), seen
+    assert any(re.search(r"output of `tanh` at", d) for d in seen), seen
+    # A subtraction the user wrote is named as it is.
+    profile = rp.Profile()
+    jax.grad(residual.with_hooks(lambda x: jnp.sum((1 - jnp.tanh(x)) * x), policy=profile))(X)
+    assert any(re.search(r"output of `sub` at", i.describe()) for i in profile.log.infos)
+
+
+def test_hook_error_is_shown_as_residual_hook_error():
+    assert repr(residual.HookError) == "<class 'residual.HookError'>"
+    g = residual.with_hooks(_loss, _identity, lambda p: p[:1])
+    with pytest.raises(residual.HookError) as err:
+        jax.jit(jax.grad(g))(X)
+    assert "".join(traceback.format_exception_only(err.value)).startswith("residual.HookError")
 
 
 def test_numpy_array_of_the_right_dtype_is_accepted():
