@@ -35,6 +35,9 @@ class ResidualInfo:
             leave such residuals alone.
         in_scan: the residual was produced inside a `lax.scan` body and is stored once
             per iteration.
+        derivative_of: the user's operation whose derivative rule computed it, when it
+            is not a value of the forward itself (`"tanh"` for the `sub` JAX saves as
+            `1 - tanh(x)`), else `None`.
     """
 
     index: int
@@ -47,6 +50,7 @@ class ResidualInfo:
     is_input: bool = False
     kept_alive: bool = False
     in_scan: bool = False
+    derivative_of: str | None = None
 
     @property
     def size(self) -> int:
@@ -61,6 +65,8 @@ class ResidualInfo:
     def describe(self) -> str:
         """One line naming the residual, used in error messages and notes."""
         what = "input" if self.primitive is None else f"output of `{self.primitive}`"
+        if self.derivative_of is not None:
+            what += f" in the derivative of `{self.derivative_of}`"
         where = f" at {self.source}" if self.source else ""
         scope = f" in scope '{self.scope}'" if self.scope else ""
         name = f" named '{self.name}'" if self.name else ""

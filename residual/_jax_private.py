@@ -253,3 +253,16 @@ def source_frames(eqn: JaxprEqn) -> list[tuple[str, int, str]]:
         (frame.file_name, frame.start_line, frame.function_name)
         for frame in _source_info.user_frames(eqn.source_info.traceback)
     ]
+
+
+def hide_from_tracebacks(directory: str) -> None:
+    """Leaves frames of files under `directory` out of the tracebacks JAX filters.
+
+    As equinox does for its own frames: an error raised at trace time (a `HookError`
+    for a wrong `unpack`) then ends at the user's code, not inside `residual`. JAX
+    filters tracebacks at its API boundaries (`jit`, `grad`, ...) unless
+    `JAX_TRACEBACK_FILTERING=off`.
+    """
+    from jax._src import traceback_util
+
+    traceback_util.register_exclusion(directory)

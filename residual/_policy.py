@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from ._info import ResidualInfo
 
@@ -86,6 +87,7 @@ def as_policy(pack: Any, unpack: Any, policy: Any, *, caller: str) -> Policy | N
                 f"`policy` must be a `residual.Policy` (e.g. `residual.policies."
                 f"Quantize(bits=8)`), but got {type(policy).__name__}: {policy!r}."
             )
+        check_hashable(policy, "`policy`")
         return policy
     if pack is None and unpack is None:
         return None
@@ -102,4 +104,56 @@ def as_policy(pack: Any, unpack: Any, policy: Any, *, caller: str) -> Policy | N
                 f"`{label}` must be callable, but got {type(fn).__name__}: {fn!r}. "
                 f"Pass a function such as `lambda x: x`."
             )
-    return FunctionHooks(pack, unpack)
+    return check_hashable(FunctionHooks(pack, unpack), "`pack` and `unpack`")
+
+
+def check_hashable(policy: Policy, label: str) -> Policy:
+    """`policy`, refused early when it has no hash: it takes part in `jax.jit`'s cache key.
+
+    Checked when `with_hooks`, a scope, `Chain` or `select` is built, not at the first
+    call: a non-frozen dataclass (which `dataclasses` makes unhashable) or a list field
+    would otherwise fail only once a trace begins.
+    """
+    try:
+        hash(policy)
+    except TypeError as e:
+        params = getattr(type(policy), "__dataclass_params__", None)
+        if params is not None and not params.frozen and type(policy).__hash__ is None:
+            raise TypeError(
+                f"{label} must be hashable (hooks take part in `jax.jit`'s cache key), but "
+                f"{type(policy).__name__} is a dataclass that is not frozen, so it has no "
+                f"hash. Declare it with `@dataclasses.dataclass(frozen=True)`."
+            ) from None
+        raise TypeError(
+            f"Hooks must be hashable (they take part in `jax.jit`'s cache key), but "
+            f"{label} {policy!r:.200} is not: {e}. Make policy fields tuples, not lists "
+            "or arrays."
+        ) from None
+    return policy
+
+
+def check_int(owner: str, label: str, value: Any, *, minimum: int | None = None) -> int:
+    """`value` as an `int`, for a policy field: `bool`s and floats are refused."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(
+            f"`{label}` must be an int, but got {type(value).__name__}: {value!r}. Pass "
+            f"`{owner}` a whole number, such as `{label}={_example(label)}`."
+        )
+    if minimum is not None and value < minimum:
+        kind = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"at least {minimum}")
+        raise ValueError(f"`{label}` must be {kind}, but got {value!r}.")
+    return int(value)
+
+
+def check_bool(owner: str, label: str, value: Any) -> bool:
+    """`value` as a `bool`, for a policy field: `"yes"`, `1` and `None` are refused."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(
+            f"`{label}` must be True or False, but got {type(value).__name__}: {value!r}. "
+            f"Pass `{owner}` a bool, such as `{label}=True`."
+        )
+    return bool(value)
+
+
+def _example(label: str) -> str:
+    return {"bits": "8", "group_size": "64", "seed": "0", "min_bytes": "16384"}.get(label, "1")

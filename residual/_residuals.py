@@ -87,10 +87,11 @@ def trace_residuals(
         if not isinstance(var, jp.Literal):
             index_of.setdefault(var, index)
     residuals = []
+    rules = _DerivativeRules(jaxpr, n_out)
     for index, var in enumerate(residual_vars):
         origin = _Origin(scopes=list(scope_prefix), in_scan=in_scan)
         _follow(var, producers, inputs_at, origin)
-        residual = _describe(index, var, origin, input_kinds)
+        residual = _describe(index, var, origin, input_kinds, rules.operation_of(origin))
         derivation = _derivation(var, index, producers, index_of)
         residuals.append(dataclasses.replace(residual, derivation=derivation))
     return Analysis(closed, n_out, box["treedef"], tuple(residuals))
@@ -160,7 +161,8 @@ class _Origin:
     view_of_input: int | None = None  # a slice or reshape of this input
 
 
-def _describe(index: int, var: Any, origin: _Origin, kinds: Sequence[InputKind]):
+def _describe(index: int, var: Any, origin: _Origin, kinds: Sequence[InputKind],
+              derivative_of: str | None = None):
     aval = var.aval
     dtype = getattr(aval, "dtype", None)
     shape = tuple(getattr(aval, "shape", ()))
@@ -179,10 +181,59 @@ def _describe(index: int, var: Any, origin: _Origin, kinds: Sequence[InputKind])
         is_input=is_input,
         kept_alive=viewed is not None and kinds[viewed].kept_alive,
         in_scan=origin.in_scan,
+        derivative_of=derivative_of,
     )
     markers = tuple(policy_of_marker(s) for s in origin.scopes if is_marker(s))
     hookable = numeric and not origin.literal and not origin.packed
     return Residual(info, markers, hookable, origin.packed, origin.input_index)
+
+
+class _DerivativeRules:
+    """Names the user's operation whose derivative rule computed a residual.
+
+    For `jnp.tanh(x)` JAX saves `1 - tanh(x)`, a `sub` its rule computes at the
+    user's line: reported as the output of `sub` alone, the residual reads like a
+    subtraction the user never wrote. An equation that only the backward needs (not
+    on the way to the function's outputs) is part of a derivative rule; the operation
+    is the one on that way, at the same source line, that it reads from or shares
+    an operand with (`tanh` for `1 - tanh(x)`, `sin` for `cos(x)`).
+    """
+
+    def __init__(self, jaxpr: jp.Jaxpr, num_outputs: int):
+        self.jaxpr = jaxpr
+        used = [True] * num_outputs + [False] * (len(jaxpr.outvars) - num_outputs)
+        primal, _ = jp.dce(jaxpr, used)
+        self.primal_vars = {v for eqn in primal.eqns for v in eqn.outvars}
+        self.by_source: dict[str | None, list] | None = None
+        self.position: dict[int, int] = {}
+
+    def operation_of(self, origin: _Origin) -> str | None:
+        eqn = origin.eqn
+        if eqn is None or origin.enclosing or any(v in self.primal_vars for v in eqn.outvars):
+            return None
+        source = jp.user_source(eqn)
+        if source is None:
+            return None
+        if self.by_source is None:
+            self.position = {id(e): i for i, e in enumerate(self.jaxpr.eqns)}
+            self.by_source = {}
+            for e in self.jaxpr.eqns:
+                if any(v in self.primal_vars for v in e.outvars):
+                    self.by_source.setdefault(jp.user_source(e), []).append(e)
+        position = self.position.get(id(eqn))
+        if position is None:
+            return None
+        operands = {v for v in eqn.invars if not isinstance(v, jp.Literal)}
+        # A rule's equations follow the operation they differentiate: of those on the
+        # line (`tanh(x) ** 2` has two), the nearest one before it.
+        for e in reversed(self.by_source.get(source, ())):
+            if self.position[id(e)] > position:
+                continue
+            related = [*e.outvars, *(v for v in e.invars if not isinstance(v, jp.Literal))]
+            if not operands.isdisjoint(related):
+                name = e.primitive.name
+                return str(e.params.get("name", name)) if name in ("jit", "pjit") else name
+        return None
 
 
 def _source(origin: _Origin) -> str | None:

@@ -20,8 +20,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import itertools
 import re
 import threading
+import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -42,13 +45,24 @@ _STACK: contextvars.ContextVar[tuple[_Entry, ...]] = contextvars.ContextVar(
 )
 _JIT_KEY = jax.make_user_context(default_value=())
 
-# Marker names in JAX's name stack map to stack entries. Append-only and keyed by
-# value, so it grows with the number of distinct hook pairs, not with scope entries.
+# Marker names in JAX's name stack stand for stack entries. A marker is a `str` that
+# holds its entry, so every traced equation that names a region keeps that region's
+# hooks alive, and nothing else does: once no scope, jaxpr or `jit` cache key refers
+# to them, hooks and what their closures hold are freed. Equal entries get the same
+# name, so equal hooks give identical jaxprs.
 _MARKER_PREFIX = "residual-hooks-"
 _MARKER_RE = re.compile(re.escape(_MARKER_PREFIX) + r"(\d+)$")
-_marker_ids: dict[_Entry, int] = {}
-_marker_entries: list[_Entry] = []
+_marker_ids: weakref.WeakKeyDictionary[_Entry, int] = weakref.WeakKeyDictionary()
+_marker_entries: weakref.WeakValueDictionary[int, _Entry] = weakref.WeakValueDictionary()
+_marker_count = itertools.count()
+_strong_ids: dict[_Entry, int] = {}  # entries that cannot be weakly referenced
 _marker_lock = threading.Lock()
+
+
+class _Marker(str):
+    """A name-scope name that carries the stack entry it stands for."""
+
+    entry: _Entry
 
 
 class saved_tensors_hooks:
@@ -152,8 +166,21 @@ def current_policy() -> Policy | None:
 
 def policy_of_marker(scope_name: str) -> _Entry | None:
     """The stack entry a name-scope marker stands for, or `None` for an ordinary scope."""
+    if isinstance(scope_name, _Marker):
+        return scope_name.entry
     match = _MARKER_RE.match(scope_name)
-    return _marker_entries[int(match.group(1))] if match else None
+    if match is None:
+        return None
+    # A marker JAX turned into a plain string: its entry is found while it lives.
+    entry = _marker_entries.get(int(match.group(1)))
+    if entry is None:
+        raise RuntimeError(
+            f"The name scope {scope_name!r} marks a `saved_tensors_hooks` region whose "
+            "hooks no longer exist: the code was traced under hooks that have since been "
+            "freed, and the trace kept only the region's name. Trace it again under the "
+            "hooks (call it inside the `saved_tensors_hooks` block)."
+        )
+    return entry
 
 
 def is_marker(scope_name: str) -> bool:
@@ -177,7 +204,7 @@ def _push(entry: _Entry) -> tuple[contextlib.ExitStack, tuple[_Entry, ...]]:
     exits = contextlib.ExitStack()
     token = _STACK.set(new)
     exits.callback(_STACK.reset, token)
-    exits.enter_context(_JIT_KEY(new))
+    exits.enter_context(_JIT_KEY(tuple(_weak_key(e) for e in new)))
     exits.enter_context(jax.named_scope(_marker(entry)))
     return exits, new
 
@@ -198,13 +225,74 @@ def _exit(open_scopes: list[tuple[contextlib.ExitStack, tuple[_Entry, ...]]]) ->
     exits.close()
 
 
-def _marker(entry: _Entry) -> str:
+def _marker(entry: _Entry) -> _Marker:
+    marker = _Marker(f"{_MARKER_PREFIX}{_marker_index(entry)}")
+    marker.entry = entry
+    return marker
+
+
+def _weak_key(value: Any) -> Any:
+    """A key that equals `_weak_key(other)` exactly when `value == other`, holding no hooks.
+
+    JAX keeps the jit key in the caches of every operation run under it, so a key
+    holding the entries would keep the hooks' closures alive. A dataclass entry is
+    keyed by its class and fields, as its `==` compares them; objects (functions,
+    logs) by weak references, which compare their referents while they live and
+    never match once they are gone: equal hooks made again (`Remat()` in every
+    step, `save_on_cpu()`) hit the cache, and freed ones can never be mistaken for
+    new ones.
+    """
+    if isinstance(value, tuple):
+        return tuple(_weak_key(v) for v in value)
+    if isinstance(value, types.MethodType):
+        # `model.pack` is a new object at each access: equal to another while both
+        # bind the same function to the same object, which a reference to it alone
+        # would not keep alive.
+        try:
+            return _SameObject(value.__self__), _weak_key(value.__func__)
+        except TypeError:  # an object that cannot be weakly referenced: kept
+            return value
+    cls = type(value)
+    params = getattr(cls, "__dataclass_params__", None)
+    if params is not None and params.eq and not isinstance(value, type):
+        fields = tuple(
+            _weak_key(getattr(value, f.name)) for f in dataclasses.fields(value) if f.compare
+        )
+        return weakref.ref(cls), fields
+    try:
+        return weakref.ref(value)
+    except TypeError:  # numbers, strings, dtypes: values that hold nothing
+        return value
+
+
+class _SameObject:
+    """A weak key equal to another while both refer to the same live object."""
+
+    def __init__(self, obj: Any):
+        self._ref = weakref.ref(obj)
+        self._hash = id(obj)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _SameObject):
+            return NotImplemented
+        obj = self._ref()
+        return obj is not None and obj is other._ref()
+
+
+def _marker_index(entry: _Entry) -> int:
+    """The number of `entry`'s marker: the same for equal entries while one of them lives."""
     with _marker_lock:
-        index = _marker_ids.get(entry)
+        try:
+            index = _marker_ids.get(entry)
+        except TypeError:  # not weakly referenceable (a policy class with `__slots__`)
+            index = _strong_ids.setdefault(entry, next(_marker_count))
         if index is None:
-            index = _marker_ids[entry] = len(_marker_entries)
-            _marker_entries.append(entry)
-    return f"{_MARKER_PREFIX}{index}"
+            index = _marker_ids[entry] = next(_marker_count)
+            _marker_entries[index] = entry
+    return index
 
 
 def _innermost_disabled(stack: tuple[_Entry, ...]) -> _Disabled | None:

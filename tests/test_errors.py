@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,8 @@ from residual._scope import _STACK
 
 X = jnp.linspace(0.1, 1.0, 4)
 # How the engine names a residual of `_loss` in messages: index, type and producer.
-RESIDUAL = r"residual #\d+ float32\[4\] \(output of `(mul|cos|sin|integer_pow)` at [^)]*test_errors"
+RESIDUAL = (r"residual #\d+ float32\[4\] \(output of `(mul|cos|sin|integer_pow)`"
+            r"( in the derivative of `\w+`)? at [^)]*test_errors")
 
 
 def _loss(x):
@@ -41,6 +43,17 @@ def _still_works():
     np.testing.assert_allclose(jax.jit(jax.grad(g))(X), expected, rtol=1e-6)
     with residual.saved_tensors_hooks(_identity, _identity):
         np.testing.assert_array_equal(jax.grad(residual.with_hooks(_loss))(X), expected)
+
+
+@dataclasses.dataclass
+class _Unfrozen(residual.Policy):
+    scale: float = 4.0
+
+    def pack(self, x, info):
+        return x * self.scale
+
+    def unpack(self, packed, info):
+        return packed / self.scale
 
 
 def _both_modes(f):
@@ -88,6 +101,42 @@ def _both_modes(f):
         (lambda: rp.Chain(rp.Remat()), TypeError, r"two or more policies"),
         (lambda: rp.Offload("gpu_memory"), ValueError,
          r"`memory_kind` must be a host memory.*\['device', 'pinned_host', 'unpinned_host'\]"),
+        (lambda: rp.Offload(1), TypeError, r"`memory_kind` must be a string.*got int: 1"),
+        # Field types, each named: these used to fail only inside a trace.
+        (lambda: rp.Quantize(bits=4.0), TypeError,
+         r"`bits` must be an int, but got float: 4\.0\. Pass `Quantize` a whole number"),
+        (lambda: rp.Quantize(bits=True), TypeError, r"`bits` must be an int, but got bool"),
+        (lambda: rp.Quantize(stochastic=True, seed="a"), TypeError,
+         r"`seed` must be an int, but got str: 'a'"),
+        (lambda: rp.Quantize(stochastic="yes"), TypeError,
+         r"`stochastic` must be True or False, but got str: 'yes'"),
+        (lambda: rp.Quantize(group_size=True), TypeError, r"`group_size` must be an int"),
+        (lambda: rp.Quantize(min_bytes=1.5), TypeError, r"`min_bytes` must be an int"),
+        (lambda: rp.Quantize(format=8), TypeError, r"`format` must be a string.*got int: 8"),
+        (lambda: rp.Quantize(scale_dtype="half-ish"), TypeError,
+         r"`scale_dtype` must be a dtype.*got str: 'half-ish'"),
+        (lambda: rp.Cast(None), TypeError, r"`Cast\(dtype\)` needs a floating-point dtype"),
+        (lambda: rp.Profile(log=[]), TypeError,
+         r"`log` must be a `residual.policies.ProfileLog`, but got list"),
+        (lambda: rp.Chain(rp.Offload(), rp.Quantize(bits=8)), TypeError,
+         r"`Chain` argument 1, Quantize\(bits=8, \.\.\.\), comes after Offload.*host memory"
+         r".*Offload last: `Chain\(Quantize\(bits=8, \.\.\.\), Offload"),
+        (lambda: rp.Chain(rp.Offload(), rp.Cast(jnp.bfloat16)), TypeError,
+         r"`Chain` argument 1, Cast.*comes after Offload"),
+        (lambda: rp.Chain(rp.select([(rp.where(dtype=jnp.float32), rp.Offload())]),
+                          rp.Quantize(bits=8)), TypeError, r"comes after select"),
+        (lambda: rp.Chain(_Unfrozen(), rp.Offload()), TypeError,
+         r"argument 0 must be hashable.*_Unfrozen is a dataclass that is not frozen.*"
+         r"@dataclasses\.dataclass\(frozen=True\)"),
+        (lambda: rp.select([(rp.where(), _Unfrozen())]), TypeError,
+         r"the policy of rule 0 of `select` must be hashable.*frozen=True"),
+        (lambda: rp.select([], default=_Unfrozen()), TypeError,
+         r"`default` must be hashable.*frozen=True"),
+        (lambda: residual.with_hooks(_loss, policy=_Unfrozen()), TypeError,
+         r"`policy` must be hashable.*_Unfrozen is a dataclass that is not frozen.*"
+         r"`@dataclasses\.dataclass\(frozen=True\)`"),
+        (lambda: residual.saved_tensors_hooks(policy=_Unfrozen()), TypeError,
+         r"`policy` must be hashable.*`@dataclasses\.dataclass\(frozen=True\)`"),
     ],
 )
 def test_bad_arguments_fail_at_construction(call, error, message):
@@ -144,6 +193,32 @@ def test_a_policy_breaking_the_contract_is_named_too():
     with pytest.raises(residual.HookError, match=RESIDUAL + r".*bfloat16\[4\] instead of"):
         jax.jit(jax.grad(g))(X)
     _still_works()
+
+
+def test_a_residual_made_by_a_derivative_rule_names_the_users_operation():
+    # For `tanh`, JAX saves `1 - tanh(x)`: a `sub` the user never wrote.
+    def model(x):
+        return jnp.sum(jnp.tanh(x))
+
+    line = model.__code__.co_firstlineno + 1
+    profile = rp.Profile()
+    jax.grad(residual.with_hooks(model, policy=profile))(X)
+    seen = [i.describe() for i in profile.log.infos]
+    # (`sub`, or one fused primitive in newer JAX releases)
+    derived = rf"output of `\w+` in the derivative of `tanh` at test_errors\.py:{line}"
+    assert any(re.search(derived, d) for d in seen), seen
+    # A subtraction the user wrote is named as it is.
+    profile = rp.Profile()
+    jax.grad(residual.with_hooks(lambda x: jnp.sum((1 - jnp.tanh(x)) * x), policy=profile))(X)
+    assert any(re.search(r"output of `sub` at", i.describe()) for i in profile.log.infos)
+
+
+def test_hook_error_is_shown_as_residual_hook_error():
+    assert repr(residual.HookError) == "<class 'residual.HookError'>"
+    g = residual.with_hooks(_loss, _identity, lambda p: p[:1])
+    with pytest.raises(residual.HookError) as err:
+        jax.jit(jax.grad(g))(X)
+    assert "".join(traceback.format_exception_only(err.value)).startswith("residual.HookError")
 
 
 def test_numpy_array_of_the_right_dtype_is_accepted():

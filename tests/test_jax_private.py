@@ -157,3 +157,36 @@ def test_source_frames_lists_the_callers_innermost_first():
     assert frames[0][0] == __file__ and frames[0][2] == "_traced_here"
     assert frames[1][2] == "test_source_frames_lists_the_callers_innermost_first.<locals>.<lambda>"
     assert all(isinstance(line, int) for _, line, _ in frames)
+
+
+def test_library_frames_are_hidden_and_scope_names_kept_as_given():
+    # Imported here: the top of this file is edited in parallel.
+    import os
+    import traceback
+
+    import pytest
+
+    import residual
+
+    # `hide_from_tracebacks` (run on import): a trace-time error under `jit(grad)`
+    # ends in the user's code, with no `residual/` frame left in between.
+    g = residual.with_hooks(lambda x: jnp.sum(jnp.sin(x)), lambda x: x, lambda p: p[:1])
+    with pytest.raises(residual.HookError) as err:
+        jax.jit(jax.grad(g))(jnp.ones(3))
+    files = [frame.filename for frame in traceback.extract_tb(err.value.__traceback__)]
+    assert __file__ in files
+    assert not [f for f in files if f"{os.sep}residual{os.sep}" in f], files
+
+    # `jax.named_scope` keeps the name object it is given on every equation's name
+    # stack: hook markers are `str`s that carry their hooks through traces.
+    class Tagged(str):
+        pass
+
+    name = Tagged("tagged")
+
+    def f(x):
+        with jax.named_scope(name):
+            return jnp.sin(x) * 2
+
+    closed = jax.make_jaxpr(f)(1.0)
+    assert all(jp.scope_names(e)[-1] is name for e in closed.jaxpr.eqns)

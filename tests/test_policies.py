@@ -153,3 +153,30 @@ def test_builtins_leave_integers_and_kept_alive_inputs_alone(policy):
             assert policy.resolve(info) is None, info
         else:
             assert policy.resolve(info) is not None, info
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [rp.Quantize(bits=8, min_bytes=0), rp.Quantize(bits=4, stochastic=True, min_bytes=0),
+     rp.Chain(rp.Quantize(bits=8, min_bytes=0), rp.Offload())],
+    ids=["int8", "int4-stochastic", "int8-then-offload"],
+)
+def test_quantize_leaves_residuals_already_in_host_memory_alone(policy):
+    # `jax.checkpoint` offloads `y` inside the hooked function: that residual reaches
+    # the hooks in host memory, where XLA cannot compute; `tanh`'s stays on the device.
+    offload_y = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["y"],
+        offload_src="device", offload_dst="pinned_host",
+    )
+
+    def f(x):
+        y = jax.ad_checkpoint.checkpoint_name(jnp.sin(x) * 2, "y")
+        return jnp.sum(jnp.tanh(y) ** 2)
+
+    def g(x):
+        return jax.checkpoint(f, policy=offload_y)(x)
+
+    x = jnp.linspace(-1.0, 1.0, 256).reshape(4, 64)
+    hooked = residual.with_hooks(g, policy=policy)
+    for grad in (jax.grad, lambda h: jax.jit(jax.grad(h))):
+        assert relative_error(grad(hooked)(x), jax.grad(g)(x)) <= 2e-1

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import gc
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +13,7 @@ import pytest
 from jax import lax
 
 import residual
-from residual._scope import _STACK
+from residual._scope import _STACK, policy_of_marker
 from tests.helpers import tree_allclose, tree_equal
 
 X = jnp.linspace(0.1, 1.0, 6)
@@ -216,3 +219,86 @@ def test_disable_region_inside_function_keeps_residuals_unhooked():
 
     assert tree_equal(jax.grad(residual.with_hooks(f))(X), jnp.cos(X))
     assert seen == []
+
+
+# Lifetime: hooks live while a scope, a traced function or a jit cache refers to them.
+
+
+class _Held:
+    """Stands for what a hook's closure holds (a model, a buffer)."""
+
+
+def test_hooks_and_their_closures_are_freed_after_their_scopes():
+    f = residual.with_hooks(lambda a: jnp.sum(jnp.sin(a) ** 2))
+    step = jax.jit(jax.grad(f))
+
+    def region(a, pack, unpack):
+        with residual.saved_tensors_hooks(pack, unpack):
+            return jnp.sum(jnp.tanh(a) ** 2)
+
+    held = []
+    for i in range(20):
+        obj = _Held()
+        held.append(weakref.ref(obj))
+        pack, unpack = (lambda v, obj=obj: v * 2), (lambda p, obj=obj: p / 2)
+        with residual.saved_tensors_hooks(pack, unpack):
+            # A few calls under the scope: each new scope recompiles every operation.
+            if i < 3:
+                jax.grad(f)(X)
+                step(X)
+        inner = residual.with_hooks(functools.partial(region, pack=pack, unpack=unpack))
+        jax.grad(inner)(X)
+        if i < 3:
+            jax.jit(jax.grad(inner))(X)
+        del obj, pack, unpack, inner
+    gc.collect()
+    assert [r for r in held if r() is not None] == []
+
+
+def test_hooks_of_a_region_live_as_long_as_a_cached_trace_names_them():
+    # The inner `jit` is traced once; later traces of the hooked function reuse its
+    # jaxpr, whose name stack is all that refers to the region's hooks.
+    seen = []
+
+    @jax.jit
+    def inner(a):
+        with residual.saved_tensors_hooks(lambda v: seen.append(1) or v * 2, lambda p: p):
+            return jnp.sum(jnp.sin(a))
+
+    for k in range(3):
+        gc.collect()
+        g = jax.grad(residual.with_hooks(lambda a: inner(a) * 1.0))(X)
+        assert tree_allclose(g, 2 * jnp.cos(X))  # `cos`, packed doubled
+        assert len(seen) == k + 1
+
+
+def test_a_marker_whose_hooks_are_gone_is_an_error_not_silence():
+    with pytest.raises(RuntimeError, match=r"marks a `saved_tensors_hooks` region whose hooks "
+                                           r"no longer exist.*Trace it again"):
+        policy_of_marker("residual-hooks-987654321")
+
+
+def test_equal_hooks_made_again_each_step_share_the_jit_cache():
+    # The jit key holds no hooks, yet equal ones made afresh still hit the cache.
+    class Model:
+        def pack(self, v):
+            return v
+
+        def unpack(self, p):
+            return p
+
+    model, traces = Model(), []
+    f = residual.with_hooks(lambda a: jnp.sum(jnp.sin(a)))
+
+    @jax.jit
+    def step(x):
+        traces.append(1)
+        return jax.grad(f)(x)
+
+    for scope in (lambda: residual.saved_tensors_hooks(model.pack, model.unpack),
+                  residual.save_on_cpu):
+        for _ in range(3):
+            with scope():
+                step(X)
+            gc.collect()
+    assert len(traces) == 2

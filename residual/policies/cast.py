@@ -42,7 +42,8 @@ class Cast(Policy):
 
     def __post_init__(self):
         try:
-            dtype = np.dtype(self.dtype)
+            # `np.dtype(None)` is float64: a forgotten argument, not a choice.
+            dtype = None if self.dtype is None else np.dtype(self.dtype)
         except TypeError:
             dtype = None
         if dtype is None or not jnp.issubdtype(dtype, jnp.floating):

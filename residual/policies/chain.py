@@ -8,7 +8,11 @@ from typing import Any
 import jax
 
 from .._info import ResidualInfo
-from .._policy import Policy
+from .._policy import Policy, check_hashable
+from .identity import Identity
+from .offload import Offload
+from .profile import Profile
+from .select import _Select
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -29,8 +33,9 @@ class Chain(Policy):
             them: it stores nothing, so there is nothing to pass on.
 
     Raises:
-        TypeError: an argument is not a `Policy`, is `Remat`, or fewer than two are
-            given.
+        TypeError: an argument is not a (hashable) `Policy`, is `Remat`, or fewer than
+            two are given; or a policy that computes (`Quantize`, `Cast`, your own)
+            comes after `Offload`, whose arrays are in host memory by then.
 
     Examples:
         >>> from residual import policies as rp
@@ -54,6 +59,17 @@ class Chain(Policy):
                     f"`Chain` argument {i} is {policy!r}, which stores nothing and "
                     "recomputes the residual: there is no packed form to pass along the "
                     "chain. Use it on its own, or choose it per residual with `select`."
+                )
+            check_hashable(policy, f"`Chain` argument {i}")
+        for i, policy in enumerate(policies[1:], start=1):
+            offloading = next((p for p in policies[:i] if _may_offload(p)), None)
+            if offloading is not None and not _only_moves(policy):
+                raise TypeError(
+                    f"`Chain` argument {i}, {_short_repr(policy)}, comes after "
+                    f"{_short_repr(offloading)}: it would compute on arrays in host memory, "
+                    f"which XLA cannot do. Offload last: `Chain({_short_repr(policy)}, "
+                    f"{_short_repr(offloading)})` packs on the device and offloads what "
+                    "it packed."
                 )
         object.__setattr__(self, "policies", tuple(policies))
 
@@ -122,6 +138,34 @@ def _undo(stage):
     if not isinstance(stage, _Stage):
         return stage
     return stage.packed if stage.policy is None else stage.policy.unpack(stage.packed, stage.info)
+
+
+def _may_offload(policy: Policy) -> bool:
+    """Whether `policy` may leave a residual's arrays in host memory."""
+    if isinstance(policy, Offload):
+        return True
+    return any(_may_offload(p) for p in _choices(policy))
+
+
+def _only_moves(policy: Policy) -> bool:
+    """Whether `policy` never computes on the arrays it is given: it moves or records them.
+
+    Unknown policies are assumed to compute (`pack` is arbitrary code).
+    """
+    if isinstance(policy, Offload | Profile | Identity):
+        return True
+    choices = _choices(policy)
+    return bool(choices) and all(_only_moves(p) for p in choices)
+
+
+def _choices(policy: Policy) -> tuple[Policy, ...]:
+    """The policies a composite policy (`Chain`, `select`) hands residuals to."""
+    if isinstance(policy, Chain):
+        return policy.policies
+    if isinstance(policy, _Select):
+        default = () if policy.default is None else (policy.default,)
+        return (*(p for _, p in policy.rules), *default)
+    return ()
 
 
 def _short_repr(policy: Policy) -> str:

@@ -28,9 +28,12 @@ class Offload(Policy):
 
     Args:
         memory_kind: `"pinned_host"` (default; fast DMA) or `"unpinned_host"` (pageable
-            memory; single-device programs only).
+            memory). Under `jit` with several devices, JAX can move a sharded value
+            only to pinned host memory while keeping its sharding, so `"unpinned_host"`
+            then stores it in pinned host memory.
 
     Raises:
+        TypeError: `memory_kind` is not a string.
         ValueError: `memory_kind` is not a host kind the default device has.
 
     Examples:
@@ -45,6 +48,11 @@ class Offload(Policy):
     lossless = True
 
     def __post_init__(self):
+        if not isinstance(self.memory_kind, str):
+            raise TypeError(
+                f"`memory_kind` must be a string, \"pinned_host\" or \"unpinned_host\", but "
+                f"got {type(self.memory_kind).__name__}: {self.memory_kind!r}."
+            )
         available = [m.kind for m in jax.devices()[0].addressable_memories()]
         if self.memory_kind not in _HOST_KINDS or self.memory_kind not in available:
             hosts = [k for k in available if k in _HOST_KINDS]
@@ -58,15 +66,30 @@ class Offload(Policy):
         return self if not info.kept_alive else None
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> jnp.ndarray:
-        return jax.device_put(x, self._host())
+        return jax.device_put(x, self._host(x))
 
     def unpack(self, packed: jnp.ndarray, info: ResidualInfo) -> jnp.ndarray:
+        if _concrete(packed):
+            return jax.device_put(packed, packed.sharding.with_memory_kind("device"))
         return jax.device_put(packed, jax.memory.Space.Device)
 
-    def _host(self):
+    def _host(self, x):
+        """Where `x` goes: the same devices and layout, in host memory."""
         if self.memory_kind == "pinned_host":
             return jax.memory.Space.Host
-        return SingleDeviceSharding(jax.devices()[0], memory_kind=self.memory_kind)
+        if _concrete(x):  # outside `jit`: the array knows its own sharding
+            return x.sharding.with_memory_kind(self.memory_kind)
+        if jax.device_count() == 1:
+            return SingleDeviceSharding(jax.devices()[0], memory_kind=self.memory_kind)
+        # Traced with several devices, JAX has no transfer to unpinned memory that
+        # keeps each shard where it is (`jax.memory.Space` names pinned host memory
+        # only), and a one-device sharding would pull every shard onto one device.
+        # Pinned host memory is the host memory that keeps the sharding.
+        return jax.memory.Space.Host
+
+
+def _concrete(x) -> bool:
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
 
 
 def save_on_cpu(pin_memory: bool = False) -> saved_tensors_hooks:
@@ -74,7 +97,8 @@ def save_on_cpu(pin_memory: bool = False) -> saved_tensors_hooks:
 
     The counterpart of `torch.autograd.graph.save_on_cpu`: a `saved_tensors_hooks`
     scope with the `Offload` policy, `"pinned_host"` memory when `pin_memory` is
-    true, `"unpinned_host"` otherwise.
+    true, `"unpinned_host"` otherwise (pinned too in a program traced under `jit`
+    with several devices: see `Offload`).
 
     Args:
         pin_memory: use page-locked host memory (faster copies).

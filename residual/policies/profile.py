@@ -44,6 +44,9 @@ class Profile(Policy):
         log: where to record; a new `ProfileLog` by default. The policy compares and
             hashes by the identity of its log.
 
+    Raises:
+        TypeError: `log` is not a `ProfileLog`.
+
     Examples:
         >>> import jax, jax.numpy as jnp, residual
         >>> from residual import policies as rp
@@ -55,6 +58,14 @@ class Profile(Policy):
 
     log: ProfileLog = dataclasses.field(default_factory=ProfileLog, repr=False)
     lossless = True
+
+    def __post_init__(self):
+        if not isinstance(self.log, ProfileLog):
+            raise TypeError(
+                f"`log` must be a `residual.policies.ProfileLog`, but got "
+                f"{type(self.log).__name__}: {self.log!r:.80}. Leave it out for a new one, "
+                "or pass the log of another `Profile` to share it."
+            )
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> jnp.ndarray:
         self.log.infos.append(info)

@@ -13,7 +13,8 @@ import numpy as np
 from jax import lax
 
 from .._info import ResidualInfo
-from .._policy import Policy
+from .._plans import in_device_memory
+from .._policy import Policy, check_bool, check_int
 from ._defaults import worth_packing
 
 _FP8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
@@ -49,7 +50,10 @@ class Quantize(Policy):
 
     Built-in defaults: only floating-point residuals of at least `min_bytes` that are
     not kept alive anyway (`ResidualInfo.kept_alive`: weights, loop-invariant
-    operands) are quantized.
+    operands) are quantized. Residuals already in host memory (offloaded by a
+    `jax.checkpoint` policy inside the hooked function) are stored as they are: XLA
+    does not compute on them there. To quantize and offload, chain the two in that
+    order, `Chain(Quantize(...), Offload())`.
 
     Args:
         bits: 8, 4 or 2 for `format="int"`; 8 for fp8.
@@ -64,6 +68,8 @@ class Quantize(Policy):
             int4 training diverge in `benchmarks/quality.py`).
 
     Raises:
+        TypeError: a field of the wrong type (`bits=4.0`, `stochastic="yes"`, `seed="a"`;
+            `True` is not an int here).
         ValueError: an unsupported `bits`, `format`, `group_size` or `scale_dtype`.
 
     Examples:
@@ -87,6 +93,19 @@ class Quantize(Policy):
     min_bytes: int = 16384
 
     def __post_init__(self):
+        # Types first, each naming its field: a float `bits` or a string `seed` would
+        # otherwise fail only inside a trace, in a JAX message that names neither.
+        for label in ("bits", "group_size", "seed", "min_bytes"):
+            minimum = {"group_size": 1, "min_bytes": 0}.get(label)
+            value = check_int("Quantize", label, getattr(self, label), minimum=minimum)
+            object.__setattr__(self, label, value)
+        object.__setattr__(self, "stochastic", check_bool("Quantize", "stochastic",
+                                                          self.stochastic))
+        if not isinstance(self.format, str):
+            raise TypeError(
+                f"`format` must be a string, one of {_FORMATS}, but got "
+                f"{type(self.format).__name__}: {self.format!r}."
+            )
         if self.format not in _FORMATS:
             raise ValueError(
                 f"`format` must be one of {_FORMATS}, but got {self.format!r}."
@@ -105,13 +124,15 @@ class Quantize(Policy):
             raise ValueError(
                 "`stochastic=True` is implemented for `format='int'`; fp8 rounds to nearest."
             )
-        if not isinstance(self.group_size, int) or self.group_size < 1:
-            raise ValueError(
-                f"`group_size` must be a positive int, but got {self.group_size!r}."
+        try:
+            scale = None if self.scale_dtype is None else np.dtype(self.scale_dtype)
+        except TypeError:
+            scale = None
+        if scale is None:
+            raise TypeError(
+                f"`scale_dtype` must be a dtype, jnp.float32 or jnp.bfloat16, but got "
+                f"{type(self.scale_dtype).__name__}: {self.scale_dtype!r}."
             )
-        if not isinstance(self.min_bytes, int) or self.min_bytes < 0:
-            raise ValueError(f"`min_bytes` must be a non-negative int, but got {self.min_bytes!r}.")
-        scale = np.dtype(self.scale_dtype)
         if scale not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
             raise ValueError(
                 f"`scale_dtype` must be jnp.float32 or jnp.bfloat16, but got {self.scale_dtype!r}."
@@ -121,7 +142,12 @@ class Quantize(Policy):
     def resolve(self, info: ResidualInfo) -> Policy | None:
         return self if worth_packing(info) and info.nbytes >= self.min_bytes else None
 
-    def pack(self, x: jnp.ndarray, info: ResidualInfo) -> dict[str, jnp.ndarray]:
+    def pack(self, x: jnp.ndarray, info: ResidualInfo) -> dict[str, jnp.ndarray] | jnp.ndarray:
+        if not in_device_memory(x):
+            # Already offloaded (a `jax.checkpoint` offloading policy inside the hooked
+            # function): XLA cannot compute on host memory, and the device holds none
+            # of it to save. Stored as it is.
+            return x
         groups = _grouped(x.astype(jnp.float32), self.group_size)
         # Plain max and min read the data directly: no float temporary the size of
         # the residual (an absmax over `where(isfinite, abs, 0)` is one, on CPU).
@@ -190,6 +216,8 @@ class Quantize(Policy):
         return codes, jnp.where(broken, -scale, scale)
 
     def unpack(self, packed: dict[str, jnp.ndarray], info: ResidualInfo) -> jnp.ndarray:
+        if not isinstance(packed, dict):
+            return packed  # stored as it is by `pack`: it was in host memory
         scale = packed["scale"].astype(jnp.float32)[..., None]
         shape = _group_shape(info.shape, self.group_size)
         if self.format != "int":

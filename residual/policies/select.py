@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._info import ResidualInfo
-from .._policy import Policy
+from .._policy import Policy, check_hashable
 
 
 def select(
@@ -91,12 +91,15 @@ def select(
                 f"rule {i} of `select`: the policy must be a `residual.Policy`, but got "
                 f"{type(policy).__name__}: {policy!r}."
             )
+        check_hashable(policy, f"the policy of rule {i} of `select`")
         checked.append((predicate, policy))
     if default is not None and not isinstance(default, Policy):
         raise TypeError(
             f"`default` must be a `residual.Policy` or None, but got {type(default).__name__}: "
             f"{default!r}."
         )
+    if default is not None:
+        check_hashable(default, "`default`")
     return _Select(tuple(checked), default)
 
 

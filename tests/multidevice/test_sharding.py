@@ -184,3 +184,20 @@ def test_tensor_parallel_inside_shard_map(policy):
         assert _relative(g, e) < (1e-5 if policy.lossless else 5e-2)
     counts = _collectives(hooked.lower(params, x).compile().as_text())
     assert counts == _collectives(plain.lower(params, x).compile().as_text())
+
+
+@pytest.mark.parametrize("pin_memory", [False, True], ids=["default", "pinned"])
+def test_save_on_cpu_with_several_devices(pin_memory):
+    _, params, x = _setup("tensor")
+    hooked = jax.grad(residual.with_hooks(mlp))
+    expected = jax.jit(jax.grad(mlp))(params, x)
+    with residual.save_on_cpu(pin_memory=pin_memory):
+        for grad in (hooked, jax.jit(hooked)):
+            got = grad(params, x)
+            for g, e in zip(got, expected):
+                assert g.sharding.is_equivalent_to(e.sharding, g.ndim)
+                assert g.sharding.memory_kind == "device"
+                assert _relative(g, e) < 1e-5
+        text = jax.jit(hooked).lower(params, x).compile().as_text()
+    plain = jax.jit(jax.grad(mlp)).lower(params, x).compile().as_text()
+    assert _collectives(text)["all-gather"] <= _collectives(plain)["all-gather"]
