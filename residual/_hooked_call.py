@@ -90,9 +90,10 @@ def hooked_call(
         packed_early: dict[int, Packed] = {}
         # Once anything is packed the program is no longer JAX's own: views of
         # kept-alive inputs (`ws[i]`) are then re-taken in the backward, not stored.
-        views = {} if higher_order or not any(
+        acting = not higher_order and any(
             p is not None for p, r in zip(policies, analysis.residuals) if not r.owned_by_inner
-        ) else _views_of_inputs(analysis, input_kinds, in_scan)
+        )
+        views = _views_of_inputs(analysis, input_kinds, in_scan) if acting else {}
         recompute = _plan_recompute(analysis, policies, derived | set(views), input_kinds, base,
                                     scope_prefix=scope_prefix, in_scan=in_scan)
 
@@ -132,6 +133,9 @@ def hooked_call(
                 tag_owned(Raw(len(stored) - 1), kept_alive, stored)
             return stored_inputs[j]
 
+        # Residuals stored as they are (masks, statistics) while others are packed: see
+        # `_tied_raw`.
+        tied_raw: set[int] = set()
         for value, residual, policy in zip(residuals, analysis.residuals, policies):
             if residual.owned_by_inner:
                 plans.append(Raw(len(stored)))
@@ -164,6 +168,9 @@ def hooked_call(
             else:
                 plan = pack(policy, value, residual.info, stored)
             plans.append(plan)
+            if (acting and not in_scan and isinstance(plan, Raw) and not residual.info.kept_alive
+                    and residual.input_index is None):
+                tied_raw.add(residual.info.index)
             tag_owned(plan, residual.info.kept_alive, stored)
             # A scan body's sliced or loop-invariant operand, stored as it is, is
             # the scan's operand: the enclosing call sees and reports it.
@@ -177,7 +184,7 @@ def hooked_call(
             for i in recompute.needed_inputs:
                 store_input(i, input_kinds[i].kept_alive)
         state.update(analysis=analysis, plans=plans, recompute=recompute,
-                     stored_inputs=stored_inputs,
+                     stored_inputs=stored_inputs, tied_raw=tied_raw,
                      backward=backward_jaxpr(analysis, residuals, outs))
         return outs, stored
 
@@ -202,6 +209,9 @@ def hooked_call(
                 restored[i] = plan.restore(lambda j: restore(j, tie))
             elif isinstance(plan, View):
                 restored[i] = plan.restore(stored, tie)
+            elif i in state["tied_raw"]:
+                tie = tie if tie is not None else next(iter(jax.tree.leaves(cts)), None)
+                restored[i] = _tied_raw(plan.restore(stored, info), tie)
             else:
                 restored[i] = _restored(plan, info, stored, tie)
             return restored[i]
@@ -264,6 +274,17 @@ def _plan_recompute(analysis: Analysis, policies, other: set[int], input_kinds, 
         return None if getattr(policy, "recompute", False) else (residual, policy)
 
     return PlannedRecompute(analysis, recomputed, keep)
+
+
+def _tied_raw(value, tie):
+    """A residual stored as it is, read in the backward after `tie`, while others are packed.
+
+    Read straight from the forward's value, XLA merges the backward's work on it
+    with the forward's: the full-size broadcast of a batch norm's per-channel scale
+    was computed once and kept alive from the forward to the backward, one float
+    per layer (a CNN under int8: 0.84x plain's temp memory, 0.70x tied).
+    """
+    return _after_if_arrays([value], tie)[0]
 
 
 def _after_if_arrays(values: list, tie) -> list:

@@ -244,3 +244,29 @@ def test_remat_with_kept_matmuls_under_vmap_scan_and_second_derivatives():
     hessian_vector = jax.grad(lambda x: jnp.vdot(jax.grad(hooked)(ws, x)[0], ws[0]))
     plain_hv = jax.grad(lambda x: jnp.vdot(jax.grad(_gated_mlp)(ws, x)[0], ws[0]))
     assert tree_allclose(hessian_vector(x), plain_hv(x))
+
+
+def _conv_bn_net(params, x):
+    """A small NHWC CNN: convolution, batch norm (batch statistics), relu."""
+    for w, scale, shift in params:
+        x = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        mean, var = jnp.mean(x, axis=(0, 1, 2)), jnp.var(x, axis=(0, 1, 2))
+        x = jax.nn.relu((x - mean) * jax.lax.rsqrt(var + 1e-5) * scale + shift)
+    return jnp.mean(x**2)
+
+
+def test_batch_norm_statistics_stored_as_they_are_do_not_keep_floats_alive():
+    # The per-channel scale, stored as it is next to packed activations, was read by
+    # the backward straight from the forward: XLA computed its full-size broadcast once
+    # and kept it from the forward to the backward, a float per layer: 0.90x plain
+    # under int8 here, 0.81x with it read after the backward's tie.
+    keys = jax.random.split(jax.random.key(0), 4)
+    channels = [(3, 32), (32, 32), (32, 64)]
+    params = [(jax.random.normal(k, (3, 3, i, o)) / (3 * i**0.5), jnp.ones(o), jnp.zeros(o))
+              for k, (i, o) in zip(keys, channels)]
+    x = jax.random.normal(keys[-1], (32, 32, 32, 3))
+    plain = temp_bytes(jax.grad(_conv_bn_net), params, x)
+    assert _hooked_temp(_conv_bn_net, rp.Quantize(bits=8), params, x) <= 0.85 * plain
+    hooked = jax.grad(residual.with_hooks(_conv_bn_net, policy=rp.Quantize(bits=8)))(params, x)
+    assert relative_error(hooked, jax.grad(_conv_bn_net)(params, x)) < 2e-2
