@@ -4,11 +4,12 @@
 residual again in the backward: `Raw` stores it as it is, `Packed` stores what
 `pack` returned and calls `unpack`, `Derived` recomputes a cheap function of other
 residuals, `View` re-takes a slice of a kept-alive input, and `Recompute` (with
-`PlannedRecompute`, the slice of the forward it runs) stores nothing.
+`PlannedRecompute`, the slices of the forward it runs) stores nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,7 @@ from ._errors import HookError
 from ._info import ResidualInfo
 from ._ordering import passed_after
 from ._policy import Policy
-from ._residuals import OWNED_NAME, Analysis
+from ._residuals import OWNED_NAME, Analysis, Residual
 
 
 def in_device_memory(array) -> bool:
@@ -48,7 +49,7 @@ class Raw:
 
 
 class Recompute:
-    """Not stored: recomputed in the backward from the function's inputs."""
+    """Not stored: recomputed in the backward from the nearest stored values."""
 
     def positions_in_stored(self):
         return []
@@ -66,14 +67,16 @@ class View:
     cannot merge it with the forward's copy.
     """
 
-    def __init__(self, chain, position: int):
+    def __init__(self, chain, position: int, recomputed: bool = False):
         self.chain, self.position = chain, position
+        self.recomputed = recomputed  # chosen for recomputation, which re-taking it is
 
     def positions_in_stored(self):
         return []
 
     def nbytes(self, stored, info):
-        return info.nbytes  # reported as stored as it is: the input it views is
+        # Unless recomputed, reported as stored as it is: the input it views is.
+        return 0 if self.recomputed else info.nbytes
 
     def restore(self, stored, tie):
         def take(x):
@@ -168,23 +171,124 @@ def tag_owned(plan, kept_alive: bool, stored: list) -> None:
         stored[position] = checkpoint_name(value, OWNED_NAME)
 
 
+@dataclasses.dataclass(eq=False)
+class Saved:
+    """A value of the forward that is not a residual, stored for recomputation to start from."""
+
+    var: Any
+    residual: Residual  # the value described as a residual would be
+    policy: Policy | None  # `None`: stored as it is
+    plan: Raw | Packed | None = None  # how the forward stored it
+
+
+@dataclasses.dataclass(eq=False)
+class Slice:
+    """Equations of the forward recomputed together, and where their inputs come from."""
+
+    eqns: list
+    inputs: list  # the variables the slice reads
+    sources: list  # for each input: ("input", j), ("residual", i), ("saved", k), ("const", c)
+    outputs: list  # (residual index, variable)
+
+
 class PlannedRecompute:
-    """The slice of the forward that produces the residuals marked `Recompute`."""
+    """The slices of the forward that produce the residuals marked `Recompute`.
 
-    def __init__(self, analysis: Analysis, plans):
-        wanted = [isinstance(p, Recompute) for p in plans]
-        used = [False] * analysis.num_outputs + wanted
-        self.jaxpr, used_inputs = jp.dce(analysis.closed.jaxpr, used)
-        self.consts = analysis.closed.consts
-        self.needed_inputs = [i for i, u in enumerate(used_inputs) if u]
-        self.indices = [i for i, w in enumerate(wanted) if w]
+    As `jax.checkpoint` recomputes from what its policy saves, a slice starts from the
+    nearest values that are stored: the function's inputs, residuals kept or packed
+    (unpacked in the backward), and the forward's other values that the policy does
+    not mark for recomputation, which are then stored for it (`saved`, chosen by
+    `keep`). A `Remat` region thus recomputes from its boundary. Slices that share no
+    equation are recomputed separately, each where the backward first needs one of
+    its residuals, so a model unrolled in Python recomputes layer by layer instead of
+    running the whole forward again at the start of the backward.
 
-    def __call__(self, inputs, cts) -> dict[int, Any]:
-        # The barrier ties recomputation to the backward (it needs the cotangents),
-        # so XLA can neither merge it with the forward nor schedule it early.
-        inputs = barrier_after(list(inputs), next(iter(jax.tree.leaves(cts)), None))
-        values = jp.jaxpr_as_fun(jp.ClosedJaxpr(self.jaxpr, self.consts))(*inputs)
-        return dict(zip(self.indices, values))
+    `keep(var, index)` says whether a value on a slice is stored: `(residual,
+    policy)` to store it (`policy` packs it; `None` keeps it as it is), `None` to
+    recompute it too. `index` numbers the stored values after the residuals.
+    """
+
+    def __init__(self, analysis: Analysis, recomputed: set[int], keep: Callable):
+        jaxpr = analysis.closed.jaxpr
+        residual_vars = jaxpr.outvars[analysis.num_outputs:]
+        inputs_at = {v: j for j, v in enumerate(jaxpr.invars)}
+        consts = dict(zip(jaxpr.constvars, analysis.closed.consts))
+        self.saved: list[Saved] = []
+        sources: dict[Any, tuple] = {}
+        for i, (var, residual) in enumerate(zip(residual_vars, analysis.residuals)):
+            # A residual that is an input reads as the input: where a `cond` forwards
+            # it from one branch only, the residual itself is zeros in the others.
+            if (i not in recomputed and not isinstance(var, jp.Literal)
+                    and residual.input_index is None):
+                sources.setdefault(var, ("residual", i))
+
+        def source(var) -> tuple | None:
+            """Where the backward reads `var`; `None` when it is recomputed."""
+            if var not in sources:
+                if var in inputs_at:
+                    sources[var] = ("input", inputs_at[var])
+                elif var in consts:
+                    sources[var] = ("const", consts[var])
+                else:
+                    kept = keep(var, len(analysis.residuals) + len(self.saved))
+                    if kept is None:
+                        return None
+                    sources[var] = ("saved", len(self.saved))
+                    self.saved.append(Saved(var, *kept))
+            return sources[var]
+
+        recomputed_vars = [residual_vars[i] for i in sorted(recomputed)]
+        needed = {v for v in recomputed_vars
+                  if v not in sources and v not in inputs_at and v not in consts}
+        producer = {v: k for k, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+        parent: dict[int, int] = {}  # union-find over equation numbers
+
+        def root(k: int) -> int:
+            while parent.setdefault(k, k) != k:
+                parent[k] = parent[parent[k]]
+                k = parent[k]
+            return k
+
+        region = []
+        for k in reversed(range(len(jaxpr.eqns))):  # consumers before producers
+            eqn = jaxpr.eqns[k]
+            if not any(v in needed for v in eqn.outvars):
+                continue
+            region.append(k)
+            root(k)
+            for v in eqn.invars:
+                if isinstance(v, jp.Literal) or (v not in needed and source(v) is not None):
+                    continue
+                needed.add(v)
+                parent[root(producer[v])] = root(k)
+
+        slices: dict[Any, Slice] = {}
+        for k in reversed(region):
+            part = slices.setdefault(root(k), Slice([], [], [], []))
+            part.eqns.append(jaxpr.eqns[k])
+            for v in jaxpr.eqns[k].invars:
+                if not isinstance(v, jp.Literal) and v not in needed and v not in part.inputs:
+                    part.inputs.append(v)
+                    part.sources.append(sources[v])
+        self.slice_of: dict[int, Slice] = {}
+        for i, var in zip(sorted(recomputed), recomputed_vars):
+            if var in needed:
+                part = slices[root(producer[var])]
+            else:  # stored anyway (an input, another residual's value)
+                part = Slice([], [var], [source(var)], [])
+            part.outputs.append((i, var))
+            self.slice_of[i] = part
+        self.needed_inputs = sorted({
+            s[1] for part in self.slice_of.values() for s in part.sources if s[0] == "input"
+        })
+
+    def run(self, part: Slice, inputs: list) -> dict[int, Any]:
+        """The residuals `part` produces, from the values of its inputs."""
+        env = dict(zip(part.inputs, inputs))
+        for eqn in part.eqns:
+            values = [v.val if isinstance(v, jp.Literal) else env[v] for v in eqn.invars]
+            env.update(zip(eqn.outvars, jp.bind_equation(eqn, values)))
+        return {i: env[var] for i, var in part.outputs}
 
 
 def call_hook(which: str, hook: Callable, value, info: ResidualInfo):

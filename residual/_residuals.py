@@ -355,3 +355,27 @@ def _inner_jaxprs(eqn, out_index: int):
     # Calls, `checkpoint`s, custom derivatives: one body that takes the operands.
     body = jp.single_body(eqn)
     return [] if body is None else [(body, list(eqn.invars), out_index, False)]
+
+
+def value_describer(
+    analysis: Analysis,
+    input_kinds: Sequence[InputKind],
+    *,
+    scope_prefix: Sequence[str] = (),
+    in_scan: bool = False,
+) -> Callable[[Any, int], Residual]:
+    """`describe(var, index)`: a value of the forward described as a residual would be.
+
+    For values that are not residuals but that `Recompute` may store instead, so that
+    policies choose for them from the same metadata.
+    """
+    jaxpr = analysis.closed.jaxpr
+    producers = _producers(jaxpr)
+    inputs_at = {v: i for i, v in enumerate(jaxpr.invars)}
+
+    def describe(var, index: int) -> Residual:
+        origin = _Origin(scopes=list(scope_prefix), in_scan=in_scan)
+        _follow(var, producers, inputs_at, origin)
+        return _describe(index, var, origin, input_kinds)
+
+    return describe

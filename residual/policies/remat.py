@@ -14,12 +14,19 @@ from .._policy import Policy
 class Remat(Policy):
     """Stores nothing for the residuals it is chosen for; the backward recomputes them.
 
-    Only the slice of the forward that produces those residuals is recomputed, from the
-    hooked function's inputs (for a scan body: its carry, slice and loop-invariant
-    operands, as `jax.checkpoint` on the body would). Gradients equal plain
-    `jax.grad`'s. Combined with `residual.policies.select`, it expresses what
-    `jax.checkpoint` policies do (keep `dot_general` outputs, recompute the rest) and
-    more: choices by scope, size, dtype or name.
+    Only the slice of the forward that produces those residuals is recomputed, from
+    the nearest values that are stored, as `jax.checkpoint` recomputes from what its
+    policy saves: the hooked function's inputs (for a scan body: its carry, slice and
+    loop-invariant operands), residuals kept or packed (recomputed from their unpacked
+    value), and the forward's other values that the policy does not also choose
+    `Remat` for, which are stored for it (and reported by `residual.inspect` after the
+    residuals). Each slice runs where the backward first needs it, so keeping
+    something per layer recomputes layer by layer; whole-function `Remat()` recomputes
+    from the inputs, like `jax.checkpoint` around the whole function. Gradients equal
+    plain `jax.grad`'s when what is kept is stored as it is. Combined with
+    `residual.policies.select`, it expresses what `jax.checkpoint` policies do (keep
+    `dot_general` outputs, recompute the rest) and more: choices by scope, size, dtype
+    or name, and values kept packed (int8 matmul outputs, the rest recomputed).
 
     Residuals that are inputs of the hooked function are kept: recomputing them is
     impossible and storing them costs nothing extra.
@@ -30,6 +37,12 @@ class Remat(Policy):
         >>> f = residual.with_hooks(lambda x: jnp.sum(jnp.tanh(jnp.sin(x))), policy=rp.Remat())
         >>> jax.grad(f)(jnp.ones(3)).shape
         (3,)
+        >>> keep_dots = rp.select([(rp.where(primitive="dot_general"), rp.Identity())],
+        ...                       default=rp.Remat())  # per layer: from each matmul output
+        >>> mlp = residual.with_hooks(lambda w, x: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w)),
+        ...                           policy=keep_dots)
+        >>> jax.grad(mlp)(jnp.eye(2), jnp.ones((1, 2))).shape
+        (2, 2)
     """
 
     recompute = True
