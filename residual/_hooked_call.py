@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import _jax_private as jp
@@ -69,6 +70,9 @@ def hooked_call(
         return list(fun(*xs))
 
     def fwd(*xs):
+        # Python scalars (a float passed to `jax.grad`) reach the rule as JAX's typed
+        # scalars, which are not arrays: hooks and the forward see arrays only.
+        xs = tuple(_as_array(x) for x in xs)
         # Values that are themselves being differentiated mean a higher-order
         # derivative: see `_straight_through`.
         higher_order = jp.differentiation_mode(xs) is not None
@@ -239,7 +243,8 @@ def _run_backward(backward: jp.ClosedJaxpr, n_res: int, restore: Callable, cts: 
     jaxpr = backward.jaxpr
     lazy = {v: i for i, v in enumerate(jaxpr.invars[:n_res])}
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, backward.consts))
-    env.update(zip(jaxpr.invars[n_res:], cts))
+    # `jax.vjp`'s function accepts Python scalars as cotangents of scalar outputs.
+    env.update((v, _as_array(ct, v.aval.dtype)) for v, ct in zip(jaxpr.invars[n_res:], cts))
 
     def read(v, tie):
         if isinstance(v, jp.Literal):
@@ -254,6 +259,13 @@ def _run_backward(backward: jp.ClosedJaxpr, n_res: int, restore: Callable, cts: 
         outs = jp.bind_equation(eqn, [read(v, tie) for v in eqn.invars])
         env.update(zip(eqn.outvars, outs))
     return [read(v, None) for v in jaxpr.outvars]
+
+
+def _as_array(x, dtype=None):
+    """`x` as a JAX array (of `dtype` if given), when it is a Python or NumPy scalar."""
+    if isinstance(x, jax.Array) or (isinstance(x, np.ndarray) and x.dtype == jax.dtypes.float0):
+        return x
+    return jnp.asarray(x, dtype=dtype)
 
 
 def _after(arrays: list, tie) -> list:
@@ -348,7 +360,8 @@ def _round_trip_straight_through(policy: Policy, value, info: ResidualInfo):
     wrong (100% wrong for an int8 cast). As PyTorch restores the autograd history of
     an unpacked tensor, the round trip here is transparent to differentiation.
     """
-    packed = call_hook("pack", policy.pack, lax.stop_gradient(value), info)
+    # `stop_gradient` of a traced Python scalar is the scalar itself: hooks see arrays.
+    packed = call_hook("pack", policy.pack, _as_array(lax.stop_gradient(value)), info)
     unpacked = checked(call_hook("unpack", policy.unpack, packed, info), info)
     return _straight_through(value, unpacked)
 
@@ -360,5 +373,5 @@ def _straight_through(x, y):
 
 @_straight_through.defjvp
 def _straight_through_jvp(primals, tangents):
-    return primals[1], tangents[0]
+    return _straight_through(*primals), tangents[0]
 
