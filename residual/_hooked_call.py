@@ -91,7 +91,9 @@ def hooked_call(
             and not getattr(p, "recompute", False)
         }
         packed_early: dict[int, Packed] = {}
-        if to_pack and not in_scan:
+        # Ordering is for compiled programs: in eager mode each operation runs on its
+        # own, and the conditionals that order them would be compiled anew per call.
+        if to_pack and not in_scan and jp.is_staged():
             values = _run_forward(analysis, xs, to_pack, stored, packed_early)
         else:
             values = jp.jaxpr_as_fun(analysis.closed)(*xs)
@@ -160,6 +162,7 @@ def hooked_call(
         analysis: Analysis = state["analysis"]
         plans, recompute = state["plans"], state["recompute"]
         restored: dict[int, Any] = {}
+        ordered = jp.is_staged()  # as in the forward
 
         def restore(i: int, tie):
             """Residual `i`, restored where the backward first reads it."""
@@ -176,14 +179,15 @@ def hooked_call(
             elif isinstance(plan, Packed):
                 arrays = plan.stored(stored)
                 changed = [k for k, (_, p) in enumerate(plan.positions) if p not in plan.unchanged]
-                for k, array in zip(changed, _after([arrays[k] for k in changed], tie)):
-                    arrays[k] = array
+                if ordered:
+                    for k, array in zip(changed, _after([arrays[k] for k in changed], tie)):
+                        arrays[k] = array
                 restored[i] = plan.restore(arrays, info)
             else:
                 restored[i] = plan.restore(stored, info)
             return restored[i]
 
-        return tuple(_run_backward(state["backward"], len(plans), restore, list(cts)))
+        return tuple(_run_backward(state["backward"], len(plans), restore, list(cts), ordered))
 
     run.defvjp(fwd, bwd)
     return run(*inputs)
@@ -233,12 +237,15 @@ def _tie_forward(value, plan: Packed, stored: list):
     return value
 
 
-def _run_backward(backward: jp.ClosedJaxpr, n_res: int, restore: Callable, cts: list) -> list:
+def _run_backward(
+    backward: jp.ClosedJaxpr, n_res: int, restore: Callable, cts: list, ordered: bool
+) -> list:
     """Runs JAX's backward pass, restoring each residual just before its first use.
 
     Restoring them all up front would let XLA schedule every `unpack` (a dequantize,
     a copy back from host) early, so all float residuals would be live at once; tied
     to the values the backward has computed by then, each one is restored late.
+    Unless `ordered`, there is no such tie (`None`): restored where first used.
     """
     jaxpr = backward.jaxpr
     lazy = {v: i for i, v in enumerate(jaxpr.invars[:n_res])}
@@ -255,7 +262,8 @@ def _run_backward(backward: jp.ClosedJaxpr, n_res: int, restore: Callable, cts: 
 
     for eqn in jaxpr.eqns:
         known = [env[v] for v in eqn.invars if not isinstance(v, jp.Literal) and v in env]
-        tie = next((x for x in known if x.size and jnp.issubdtype(x.dtype, jnp.inexact)), None)
+        tie = next((x for x in known if x.size and jnp.issubdtype(x.dtype, jnp.inexact)),
+                   None) if ordered else None
         outs = jp.bind_equation(eqn, [read(v, tie) for v in eqn.invars])
         env.update(zip(eqn.outvars, outs))
     return [read(v, None) for v in jaxpr.outvars]

@@ -80,3 +80,23 @@ def test_varying_axes_inside_and_outside_shard_map():
                           out_specs=spec("data")))(jnp.ones(4), jnp.ones(4))
     assert seen == {"x": frozenset({"data"}), "w": frozenset()}
     assert jp.varying_axes(jnp.ones(3)) == frozenset()
+
+
+def test_is_staged_under_jit_and_scan_not_under_eager_grad_or_vmap():
+    seen = []
+
+    def probe(x):
+        seen.append(jp.is_staged())
+        return x * x
+
+    probe(1.0)
+    jax.grad(probe)(1.0)
+    jax.grad(jax.grad(probe))(1.0)
+    jax.vmap(probe)(jnp.ones(2))
+    assert seen == [False] * 4
+    seen.clear()
+    jax.jit(probe)(1.0)
+    jax.jit(jax.grad(probe))(2.0)
+    jax.make_jaxpr(probe)(jnp.ones(3))  # another shape: jit's trace is not reused
+    lax.scan(lambda c, _: (probe(c), None), 1.0, None, length=2)
+    assert seen == [True] * 4
