@@ -109,8 +109,11 @@ def with_hooks(
 def _call(f: Callable, explicit: Policy | None, args: tuple, kwargs: dict) -> Any:
     dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
     leaves, treedef = jax.tree.flatten(dynamic)
-    if jp.differentiation_mode(leaves) == "forward":
-        return f(*args, **kwargs)  # forward mode saves no residuals
+    mode = jp.differentiation_mode(leaves)
+    if mode == "forward" or (mode is None and not jp.is_staged()):
+        # Forward mode saves no residuals, and neither does an eager call that nothing
+        # differentiates (a program being built, under `jit`, may be differentiated later).
+        return f(*args, **kwargs)
 
     # Concrete integer scalars (loop bounds, sizes) stay concrete while `f` is traced,
     # as under plain eager `jax.grad`: `fori_loop(0, n, ...)` is then a scan, which

@@ -113,6 +113,11 @@ def test_python_branch_on_a_value_without_hooks_behaves_like_f(x):
     assert tree_equal(jax.grad(jax.grad(g))(x), jax.grad(jax.grad(_branchy))(x))
 
 
+def test_python_branch_on_a_value_with_hooks_but_no_derivative_is_f():
+    x = jnp.float32(0.5)
+    assert tree_equal(residual.with_hooks(_branchy, identity, identity)(x), _branchy(x))
+
+
 def test_python_branch_on_a_value_under_jit_fails_as_f_does():
     with pytest.raises(jax.errors.TracerBoolConversionError):
         jax.jit(jax.grad(_branchy))(1.0)
