@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import _jax_private as jp
@@ -70,6 +71,9 @@ def hooked_call(
         return list(fun(*xs))
 
     def fwd(*xs):
+        # Python scalars (a float passed to `jax.grad`) reach the rule as JAX's typed
+        # scalars, which are not arrays: hooks and the forward see arrays only.
+        xs = tuple(_as_array(x) for x in xs)
         # Values that are themselves being differentiated mean a higher-order
         # derivative: see `_straight_through`.
         higher_order = jp.differentiation_mode(xs) is not None
@@ -193,6 +197,7 @@ def hooked_call(
         analysis: Analysis = state["analysis"]
         plans, recompute = state["plans"], state["recompute"]
         restored: dict[int, Any] = {}
+        ordered = jp.is_staged()  # as in the forward
 
         def restore(i: int, tie):
             """Residual `i`, restored where the backward first reads it."""
@@ -229,7 +234,7 @@ def hooked_call(
                 return _restored(entry.plan, entry.residual.info, stored, tie)
             return key  # a constant
 
-        return tuple(_run_backward(state["backward"], len(plans), restore, list(cts)))
+        return tuple(_run_backward(state["backward"], len(plans), restore, list(cts), ordered))
 
     run.defvjp(fwd, bwd)
     return run(*inputs)
@@ -339,7 +344,7 @@ def _run_forward(analysis: Analysis, xs, to_pack: dict, stored: list, packed: di
 def _tie_forward(value, plan: Packed, stored: list):
     """`value`, through a `lax.cond` that also passes (so first computes) `plan`'s arrays."""
     changed = [p for _, p in plan.positions if p not in plan.unchanged]
-    if (not changed or not value.size or jax.device_count() > 1
+    if (not changed or not value.size or jax.device_count() > 1 or not jp.is_staged()
             or not jnp.issubdtype(value.dtype, jnp.inexact) or not in_device_memory(value)
             or not all(in_device_memory(stored[p]) for p in changed)):
         return value
@@ -350,17 +355,21 @@ def _tie_forward(value, plan: Packed, stored: list):
     return value
 
 
-def _run_backward(backward: jp.ClosedJaxpr, n_res: int, restore: Callable, cts: list) -> list:
+def _run_backward(
+    backward: jp.ClosedJaxpr, n_res: int, restore: Callable, cts: list, ordered: bool
+) -> list:
     """Runs JAX's backward pass, restoring each residual just before its first use.
 
     Restoring them all up front would let XLA schedule every `unpack` (a dequantize,
     a copy back from host) early, so all float residuals would be live at once; tied
     to the values the backward has computed by then, each one is restored late.
+    Unless `ordered`, there is no such tie (`None`): restored where first used.
     """
     jaxpr = backward.jaxpr
     lazy = {v: i for i, v in enumerate(jaxpr.invars[:n_res])}
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, backward.consts))
-    env.update(zip(jaxpr.invars[n_res:], cts))
+    # `jax.vjp`'s function accepts Python scalars as cotangents of scalar outputs.
+    env.update((v, _as_array(ct, v.aval.dtype)) for v, ct in zip(jaxpr.invars[n_res:], cts))
 
     def read(v, tie):
         if isinstance(v, jp.Literal):
@@ -371,10 +380,18 @@ def _run_backward(backward: jp.ClosedJaxpr, n_res: int, restore: Callable, cts: 
 
     for eqn in jaxpr.eqns:
         known = [env[v] for v in eqn.invars if not isinstance(v, jp.Literal) and v in env]
-        tie = next((x for x in known if x.size and jnp.issubdtype(x.dtype, jnp.inexact)), None)
+        tie = next((x for x in known if x.size and jnp.issubdtype(x.dtype, jnp.inexact)),
+                   None) if ordered else None
         outs = jp.bind_equation(eqn, [read(v, tie) for v in eqn.invars])
         env.update(zip(eqn.outvars, outs))
     return [read(v, None) for v in jaxpr.outvars]
+
+
+def _as_array(x, dtype=None):
+    """`x` as a JAX array (of `dtype` if given), when it is a Python or NumPy scalar."""
+    if isinstance(x, jax.Array) or (isinstance(x, np.ndarray) and x.dtype == jax.dtypes.float0):
+        return x
+    return jnp.asarray(x, dtype=dtype)
 
 
 def _after(arrays: list, tie) -> list:
@@ -388,6 +405,10 @@ def _after(arrays: list, tie) -> list:
     of NaN): one element of `tie`, a value of the backward computed just before the
     residual is needed, so the copy, and `unpack` after it, wait for it.
     """
+    if not jp.is_staged():
+        # Ordering is for compiled programs: in eager mode each operation runs on its
+        # own, and the conditionals would be compiled anew on every call.
+        return arrays
     # Only device arrays go through the conditional: offloaded ones stay on the host.
     on_device = [i for i, a in enumerate(arrays) if a.size and in_device_memory(a)]
     if not on_device:
@@ -469,7 +490,8 @@ def _round_trip_straight_through(policy: Policy, value, info: ResidualInfo):
     wrong (100% wrong for an int8 cast). As PyTorch restores the autograd history of
     an unpacked tensor, the round trip here is transparent to differentiation.
     """
-    packed = call_hook("pack", policy.pack, lax.stop_gradient(value), info)
+    # `stop_gradient` of a traced Python scalar is the scalar itself: hooks see arrays.
+    packed = call_hook("pack", policy.pack, _as_array(lax.stop_gradient(value)), info)
     unpacked = checked(call_hook("unpack", policy.unpack, packed, info), info)
     return _straight_through(value, unpacked)
 
@@ -481,5 +503,5 @@ def _straight_through(x, y):
 
 @_straight_through.defjvp
 def _straight_through_jvp(primals, tangents):
-    return primals[1], tangents[0]
+    return _straight_through(*primals), tangents[0]
 

@@ -266,3 +266,17 @@ def hide_from_tracebacks(directory: str) -> None:
     from jax._src import traceback_util
 
     traceback_util.register_exclusion(directory)
+
+
+def is_staged() -> bool:
+    """Whether the caller is being traced into a program (`jit`, `make_jaxpr`, a scan body).
+
+    False in eager mode, under eager `grad` or `vmap` too: each operation then runs on
+    its own, so nothing can fuse or reorder it.
+    """
+    trace = _core.find_top_trace([])
+    while trace is not None:
+        if isinstance(trace, _pe.DynamicJaxprTrace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False

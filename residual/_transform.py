@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 
 from . import _jax_private as jp
 from ._hooked_call import hooked_call
 from ._policy import Policy, as_policy
 from ._residuals import KEPT
 from ._rewrite import has_markers, interpret
-from ._scope import current_policy, is_marker, saved_tensors_hooks
+from ._scope import (
+    current_policy,
+    disable_saved_tensors_hooks,
+    is_marker,
+    saved_tensors_hooks,
+)
 
 
 def with_hooks(
@@ -101,27 +109,45 @@ def with_hooks(
 def _call(f: Callable, explicit: Policy | None, args: tuple, kwargs: dict) -> Any:
     dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
     leaves, treedef = jax.tree.flatten(dynamic)
-    if jp.differentiation_mode(leaves) == "forward":
-        return f(*args, **kwargs)  # forward mode saves no residuals
+    mode = jp.differentiation_mode(leaves)
+    if mode == "forward" or (mode is None and not jp.is_staged()):
+        # Forward mode saves no residuals, and neither does an eager call that nothing
+        # differentiates (a program being built, under `jit`, may be differentiated later).
+        return f(*args, **kwargs)
 
+    # Concrete integer scalars (loop bounds, sizes) stay concrete while `f` is traced,
+    # as under plain eager `jax.grad`: `fori_loop(0, n, ...)` is then a scan, which
+    # reverse mode can differentiate, not a `while_loop`, which it cannot.
+    traced = [not _concrete_count(x) for x in leaves]
     out_parts: dict[str, Any] = {}
 
     def flat_f(*xs):
+        given = iter(xs)
+        xs = [next(given) if t else x for t, x in zip(traced, leaves)]
         a, k = eqx.combine(jax.tree.unflatten(treedef, xs), static)
         out_dynamic, out_parts["static"] = eqx.partition(f(*a, **k), eqx.is_array)
         out_leaves, out_parts["treedef"] = jax.tree.flatten(out_dynamic)
         return out_leaves
 
+    traced_leaves = [x for t, x in zip(traced, leaves) if t]
     scope = saved_tensors_hooks(policy=explicit) if explicit else contextlib.nullcontext()
-    with scope:
-        closed = jax.make_jaxpr(flat_f)(*leaves)
+    try:
+        with scope:
+            closed = jax.make_jaxpr(flat_f)(*traced_leaves)
+    except _UNTRACEABLE as e:
+        if explicit is not None or current_policy() is not None:
+            raise _untraceable_error(f, e) from None
+        # No hooks around: `f` as it is, as plain `jax.grad` runs it. Scopes inside
+        # it would have no effect, so they are refused rather than ignored.
+        with disable_saved_tensors_hooks(_untraceable_message(f, e, inner_scope=True)):
+            return f(*args, **kwargs)
     base = explicit if explicit is not None else current_policy()
     # Constants `f` closes over become inputs, so they get gradients too.
-    inputs = [*closed.consts, *leaves]
+    inputs = [*closed.consts, *traced_leaves]
     n_consts = len(closed.consts)
 
     if base is None and not has_markers(closed.jaxpr):
-        outs = jp.jaxpr_as_fun(closed)(*leaves)
+        outs = jp.jaxpr_as_fun(closed)(*traced_leaves)
     else:
         def fun(*xs):
             return interpret(closed.jaxpr, xs[:n_consts], xs[n_consts:], base)
@@ -131,3 +157,57 @@ def _call(f: Callable, explicit: Policy | None, args: tuple, kwargs: dict) -> An
         outs = hooked_call(fun, inputs, [KEPT] * len(inputs), base, scope_prefix=prefix)
     out = jax.tree.unflatten(out_parts["treedef"], outs)
     return eqx.combine(out, out_parts["static"])
+
+
+# What tracing raises where `f` needs a concrete value: Python control flow on it
+# (`if x > 0`), `int(x)`, `np.asarray(x)`, a shape computed from it.
+_UNTRACEABLE = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+)
+
+
+def _concrete_count(x) -> bool:
+    """Whether `x` is a concrete (not traced) integer or boolean scalar."""
+    return (not isinstance(x, jax.core.Tracer) and x.shape == ()
+            and (jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_))
+
+
+def _untraceable_error(f: Callable, error: Exception) -> TypeError:
+    return TypeError(_untraceable_message(f, error, inner_scope=False))
+
+
+def _untraceable_message(f: Callable, error: Exception, *, inner_scope: bool) -> str:
+    name = getattr(f, "__qualname__", None) or type(f).__name__
+    where = _user_frame(error)
+    at = f" at {where}" if where else ""
+    reason = str(error).split("\n", 1)[0].rstrip(".")
+    if inner_scope:
+        first = (
+            f"A `saved_tensors_hooks` scope was entered inside `{name}`, which `with_hooks` "
+            f"could not trace: it needs the value of a traced array{at} ({reason}), so "
+            "it runs untraced and hooks inside it could not apply."
+        )
+    else:
+        first = (
+            f"`with_hooks` traces `{name}` to hook its residuals, but `{name}` needs the "
+            f"value of a traced array{at} ({reason}). Hooks apply to traced programs only."
+        )
+    return (
+        f"{first} Write value-dependent control flow with `jax.lax.cond`, `jnp.where` or "
+        "`jax.lax.fori_loop`/`scan`, or make the value static: pass it as a Python "
+        "number, or mark it static with `jax.jit(..., static_argnums=...)`."
+    )
+
+
+def _user_frame(error: Exception) -> str | None:
+    """`file.py:12 (`source line`)` of the innermost frame outside JAX and `residual`."""
+    skip = (os.path.dirname(jax.__file__), os.path.dirname(__file__), "<frozen ")
+    frames = [fr for fr in traceback.extract_tb(error.__traceback__)
+              if not fr.filename.startswith(skip)]
+    if not frames:
+        return None
+    frame = frames[-1]
+    line = f" (`{frame.line.strip()}`)" if frame.line else ""
+    return f"{os.path.basename(frame.filename)}:{frame.lineno}{line}"

@@ -5,7 +5,8 @@ inputs of the same shape, drawn from elementwise maths, reductions broadcast bac
 matmul/einsum, gathers and scatters, sorting, concatenation, reshapes, `where`, and
 control flow whose bodies are random programs themselves (`scan` as a carry loop and
 over rows, `fori_loop`, `cond`, `jax.checkpoint`, inner `jit`). Shapes include
-scalars and size-0 arrays. Gradients are taken with respect to both inputs.
+scalars and size-0 arrays. Gradients are taken with respect to both inputs, to the
+third order, and with Python numbers as inputs and cotangents.
 
 The profile (tests/conftest.py) is bounded in CI; `RESIDUAL_FUZZ_PROFILE=long`
 runs many more examples.
@@ -18,7 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
 
@@ -293,6 +294,42 @@ def test_invertible_hooks_and_remat_are_close(case):
     batch = tuple(jnp.stack([a, -a]) for a in args)
     inverted = jax.jit(jax.vmap(_grad(residual.with_hooks(f, _times_four, _quarter))))(*batch)
     _close(inverted, jax.jit(jax.vmap(_grad(f)))(*batch), TOL[dtype])
+
+
+# Third derivatives compile three nested backward passes per program, and eager calls
+# compile each loop and conditional anew: fewer examples.
+_FEWER = settings(max_examples=max(1, settings.default.max_examples // 4))
+
+
+def _third_order(f, v):
+    """`d/dx (v . d/dx (v . grad f))`: three reverse-mode passes, as `grad(grad(grad))`."""
+    def hvp(x, w):
+        return jax.grad(lambda y: jnp.vdot(jax.grad(f)(y, w), v))(x)
+
+    return jax.grad(lambda x, w: jnp.vdot(hvp(x, w), v), argnums=(0, 1))
+
+
+@_FEWER
+@given(cases(dtypes=[jnp.float32], depth=1))
+def test_third_order_derivatives_match_plain(case):
+    ops, shape, _, seed = case
+    f, (x, w) = _loss(ops), _inputs(shape, jnp.float32, seed)
+    v = jnp.cos(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape)
+    g = residual.with_hooks(f, _identity, _identity)
+    _close(jax.jit(_third_order(g, v))(x, w), jax.jit(_third_order(f, v))(x, w),
+           TOL[jnp.float32])
+
+
+@_FEWER
+@given(cases(dtypes=[jnp.float32], depth=1))
+def test_python_scalar_inputs_and_cotangents(case):
+    ops, _, _, seed = case
+    f = _loss(ops)
+    x, w = (float(a) for a in _inputs((), jnp.float32, seed))
+    g = residual.with_hooks(f, _identity, _identity)
+    _assert_identical_gradients(ops, _grad(g)(x, w), _grad(f)(x, w), jnp.float32)
+    _assert_identical_gradients(ops, jax.vjp(g, x, w)[1](1.0), jax.vjp(f, x, w)[1](1.0),
+                                jnp.float32)
 
 
 # One level of control flow: through nested loops (nine applications of an expanding

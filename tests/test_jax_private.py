@@ -152,7 +152,7 @@ def _traced_here(x):
 def test_source_frames_lists_the_callers_innermost_first():
     eqn = jax.make_jaxpr(lambda x: _traced_here(x))(1.0).jaxpr.eqns[0]
     if eqn.primitive.name != "tanh":  # a `jit`-wrapped `tanh`: look inside
-        eqn = eqn.params["jaxpr"].jaxpr.eqns[0]
+        eqn = jp.call_body(eqn).jaxpr.eqns[0]
     frames = jp.source_frames(eqn)
     assert frames[0][0] == __file__ and frames[0][2] == "_traced_here"
     assert frames[1][2] == "test_source_frames_lists_the_callers_innermost_first.<locals>.<lambda>"
@@ -190,3 +190,23 @@ def test_library_frames_are_hidden_and_scope_names_kept_as_given():
 
     closed = jax.make_jaxpr(f)(1.0)
     assert all(jp.scope_names(e)[-1] is name for e in closed.jaxpr.eqns)
+
+
+def test_is_staged_under_jit_and_scan_not_under_eager_grad_or_vmap():
+    seen = []
+
+    def probe(x):
+        seen.append(jp.is_staged())
+        return x * x
+
+    probe(1.0)
+    jax.grad(probe)(1.0)
+    jax.grad(jax.grad(probe))(1.0)
+    jax.vmap(probe)(jnp.ones(2))
+    assert seen == [False] * 4
+    seen.clear()
+    jax.jit(probe)(1.0)
+    jax.jit(jax.grad(probe))(2.0)
+    jax.make_jaxpr(probe)(jnp.ones(3))  # another shape: jit's trace is not reused
+    lax.scan(lambda c, _: (probe(c), None), 1.0, None, length=2)
+    assert seen == [True] * 4

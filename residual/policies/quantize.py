@@ -160,7 +160,11 @@ class Quantize(Policy):
         key = _key(self.seed, info.index, x) if self.stochastic else None
         fast = functools.partial(self._pack_clean, key=key)
         slow = functools.partial(self._pack_any, key=key)
-        codes, scale = lax.cond(jnp.all(clean), fast, slow, groups, jnp.maximum(hi, -lo))
+        pred, absmax = jnp.all(clean), jnp.maximum(hi, -lo)
+        if isinstance(pred, jax.core.Tracer):
+            codes, scale = lax.cond(pred, fast, slow, groups, absmax)
+        else:  # eager: a `cond` of these fresh branches would be compiled anew per call
+            codes, scale = (fast if pred else slow)(groups, absmax)
         # Codes keep the residual's layout (`[..., last]`, or `[..., last * bits / 8]`
         # bytes) and scales its leading axes (`[..., groups]`): under `jit` with
         # sharded activations they stay sharded like the residual. Merging axes (a
