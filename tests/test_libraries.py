@@ -20,7 +20,7 @@ from flax import nnx
 import residual
 from residual import policies as rp
 
-from .helpers import tree_equal
+from .helpers import tree_allclose, tree_equal
 
 IDENTITY = rp.Identity()
 BF16 = rp.Cast(jnp.bfloat16)
@@ -70,8 +70,9 @@ def check_against_plain(loss, *args, memory_slack: float = 1.0):
                                       has_aux=True))(*args)
         error = relative_l2(grads, expected[0])
         assert 0 < error < tolerance, f"{policy}: relative error {error:.4f}"
-        # Auxiliary outputs (updated statistics) come from the forward pass: unchanged.
-        assert tree_equal(aux, expected[1])
+        # Auxiliary outputs (updated statistics) come from the forward pass, which the
+        # policy leaves alone; XLA may fuse it differently around the packing (an ulp).
+        assert tree_allclose(aux, expected[1])
 
 
 # flax NNX: a causal transformer, blocks stacked with `nnx.vmap` and run by `nnx.scan`
