@@ -93,3 +93,106 @@ def transformer(blocks=4, width=256, heads=4, seq=128, batch=8, seed=0):
         return jnp.mean(h**2)
 
     return loss, params, x
+
+
+# Models built from other libraries' layers, for `zoo.py`. Each returns `(loss, args)`
+# with `loss(*args)` a scalar to differentiate with respect to its first argument.
+
+
+def nnx_transformer(blocks=4, width=256, heads=4, seq=128, batch=8, vocab=512, seed=0):
+    """A flax NNX causal transformer: blocks stacked by `nnx.vmap`, run by `nnx.scan`."""
+    import optax
+    from flax import nnx
+
+    class NnxBlock(nnx.Module):
+        def __init__(self, rngs):
+            self.norm1 = nnx.LayerNorm(width, rngs=rngs)
+            self.attention = nnx.MultiHeadAttention(heads, width, decode=False,
+                                                    keep_rngs=False, rngs=rngs)
+            self.norm2 = nnx.LayerNorm(width, rngs=rngs)
+            self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+            self.down = nnx.Linear(4 * width, width, rngs=rngs)
+
+        def __call__(self, x):
+            mask = nnx.make_causal_mask(x[..., 0])
+            x = x + self.attention(self.norm1(x), mask=mask)
+            return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+
+    class NnxTransformer(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(vocab, width, rngs=rngs)
+
+            @nnx.split_rngs(splits=blocks)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return NnxBlock(rngs)
+
+            self.blocks = make(rngs)
+            self.norm = nnx.LayerNorm(width, rngs=rngs)
+
+        def __call__(self, tokens):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def layer(x, block):
+                return block(x)
+
+            x = layer(self.embed(tokens), self.blocks)
+            return self.embed.attend(self.norm(x))
+
+    graphdef, params = nnx.split(NnxTransformer(nnx.Rngs(seed)))
+    tokens = jax.random.randint(jax.random.PRNGKey(seed), (batch, seq + 1), 0, vocab)
+
+    def loss(params, tokens):
+        logits = nnx.merge(graphdef, params, copy=True)(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return loss, (params, tokens)
+
+
+def haiku_transformer(blocks=4, width=256, heads=4, seq=128, batch=8, seed=0):
+    """A haiku causal transformer, its blocks in `hk.layer_stack` (one `lax.scan`)."""
+    import haiku as hk
+
+    def block(x):
+        causal = jnp.tril(jnp.ones((1, 1, seq, seq), bool))
+        h = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
+        x = x + hk.MultiHeadAttention(heads, width // heads,
+                                      w_init=hk.initializers.VarianceScaling())(
+            h, h, h, mask=causal)
+        h = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
+        return x + hk.Linear(width)(jax.nn.gelu(hk.Linear(4 * width)(h)))
+
+    def forward(x):
+        return jnp.mean(hk.layer_stack(blocks)(block)(x) ** 2)
+
+    model = hk.without_apply_rng(hk.transform(forward))
+    x = jax.random.normal(jax.random.PRNGKey(seed), (batch, seq, width))
+    params = model.init(jax.random.PRNGKey(seed + 1), x)
+    return model.apply, (params, x)
+
+
+def linen_cnn(stages=3, channels=32, size=64, batch=32, seed=0):
+    """A flax Linen CNN, Conv + BatchNorm (batch statistics, `mutable`) + ReLU per layer."""
+    import flax.linen as nn
+    import optax
+
+    class Cnn(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for stage in range(stages):
+                for _ in range(2):
+                    x = nn.Conv(channels << stage, (3, 3))(x)
+                    x = nn.relu(nn.BatchNorm(use_running_average=False)(x))
+                x = nn.avg_pool(x, (2, 2), (2, 2))
+            return nn.Dense(10)(jnp.mean(x, axis=(1, 2)))
+
+    model = Cnn()
+    x = jax.random.normal(jax.random.PRNGKey(seed), (batch, size, size, 3))
+    labels = jnp.arange(batch) % 10
+    variables = model.init(jax.random.PRNGKey(seed + 1), x)
+
+    def loss(params, batch_stats, x, labels):
+        logits, _ = model.apply({"params": params, "batch_stats": batch_stats}, x,
+                                mutable=["batch_stats"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    return loss, (variables["params"], variables["batch_stats"], x, labels)
