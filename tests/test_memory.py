@@ -239,8 +239,9 @@ def test_remat_with_kept_matmuls_under_vmap_scan_and_second_derivatives():
 
         return jnp.sum(jax.lax.scan(layer, x, ws)[0] ** 2)
 
-    assert tree_equal(jax.jit(jax.grad(residual.with_hooks(scanned, policy=KEEP_DOTS)))(ws, x),
-                      jax.jit(jax.grad(scanned))(ws, x))
+    # A rebuilt scan may differ from plain in the last bits (docs/limitations.md).
+    assert tree_allclose(jax.jit(jax.grad(residual.with_hooks(scanned, policy=KEEP_DOTS)))(ws, x),
+                         jax.jit(jax.grad(scanned))(ws, x), rtol=1e-5, atol=1e-7)
     hessian_vector = jax.grad(lambda x: jnp.vdot(jax.grad(hooked)(ws, x)[0], ws[0]))
     plain_hv = jax.grad(lambda x: jnp.vdot(jax.grad(_gated_mlp)(ws, x)[0], ws[0]))
     assert tree_allclose(hessian_vector(x), plain_hv(x))

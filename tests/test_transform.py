@@ -321,7 +321,9 @@ def test_hessian_and_grad_of_grad_exact_for_value_preserving_hooks():
     s = residual.with_hooks(lambda x: jnp.sum(jnp.sin(x) ** 3), identity, identity)
     gg = jax.grad(lambda x: jnp.sum(jax.grad(s)(x)))(X)
     gg0 = jax.grad(lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 3))(x)))(X)
-    assert tree_equal(gg, gg0)
+    # Bit-identical on jax 0.10 and 0.11; jax 0.12 differs in the last bit of two
+    # entries (the second-order backward sums its terms in another order).
+    assert tree_allclose(gg, gg0, rtol=4e-7, atol=0)
 
 
 def test_second_derivative_of_lossy_hooks_is_straight_through_not_zeroed():
