@@ -54,7 +54,7 @@ HOW = {
     "packed": "stored as what the policy's `pack` returned",
     "derived": "not stored: recomputed in the backward from other stored residuals",
     "view": "not stored apart: re-taken from an input that stays alive anyway",
-    "recomputed": "not stored: recomputed in the backward from the inputs",
+    "recomputed": "not stored: recomputed in the backward from the nearest stored values",
 }
 
 
@@ -457,9 +457,11 @@ def _row(record: Record, section: str, with_policy: bool) -> Row:
 def _user_source(record: Record) -> str | None:
     """The innermost frame of the user's own code (not a library's) that made the residual."""
     call, info = record.call, record.info
-    if call is None or info.primitive is None:
+    jaxpr = None if call is None else call.closed.jaxpr
+    # A value stored for recomputation is no residual of JAX's: numbered past them.
+    if (jaxpr is None or info.primitive is None
+            or call.num_outputs + info.index >= len(jaxpr.outvars)):
         return info.source
-    jaxpr = call.closed.jaxpr
     origin = _Origin(scopes=[], in_scan=False)
     _follow(jaxpr.outvars[call.num_outputs + info.index], _producers(jaxpr),
             {v: i for i, v in enumerate(jaxpr.invars)}, origin)
