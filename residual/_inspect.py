@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._info import dtype_name
 from ._policy import Policy
 from ._record import Record, recording
 from ._transform import with_hooks
@@ -215,7 +216,7 @@ def _row(record: Record, with_policy: bool) -> Row:
     stored = record.stored_bytes if with_policy else info.nbytes
     policy = _label(record.policy) if with_policy and record.policy is not None else "-"
     return Row(
-        index=info.index, shape=tuple(info.shape), dtype=np.dtype(info.dtype).name,
+        index=info.index, shape=tuple(info.shape), dtype=dtype_name(info.dtype),
         nbytes=info.nbytes, iterations=record.iterations, primitive=info.primitive,
         source=info.source, scope=info.scope, name=info.name, policy=_short(policy),
         stored_bytes=stored * record.iterations,
