@@ -23,24 +23,39 @@ _BITS = (8, 4, 2)
 
 @dataclasses.dataclass(frozen=True)
 class Quantize(Policy):
-    """Stores floating-point residuals as low-bit codes with one absmax scale per group.
+    """Stores floating-point residuals as low-bit codes with a scale per group.
 
-    Each residual is cut into groups of `group_size` consecutive elements along its
-    last axis (one group for the whole tensor when the last axis is not a multiple of
-    `group_size`). With `format="int"`, a group with largest finite magnitude $m$ (its
-    absmax scale) is stored as codes of the nearest of $2^b$ evenly spaced values from
-    $-m$ to $m$, packed into `uint8`: one code per byte for `bits=8`, two for 4, four
-    for 2. With an fp8 `format`, $x / s$ is stored in JAX's float8 dtype,
-    $s = m / \\max_\\text{fp8}$.
+    Each residual is cut into groups of at most `group_size` consecutive elements
+    along one axis: the last axis when `group_size` divides it; for a shorter last
+    axis, an earlier axis that `group_size` divides (else one group per row); a
+    longer one is cut into near-equal groups, padded with a few zeros. No scale ever
+    spans the whole tensor, and codes keep the residual's layout (sharded
+    activations stay sharded). With `format="int"`, a group spanning $[lo, hi]$ is
+    stored as codes of the nearest of $2^b$ evenly spaced values over
+    $[\\min(lo, 0), \\max(hi, 0)]$ with zero among them (affine quantization: a
+    scale and an integer zero point per group), packed into `uint8`: one code per
+    byte for `bits=8`, two for 4, four for 2. Zeros (a causal mask, ReLU) stay
+    exactly zero, a group of one sign uses every code, and no value moves by more
+    than $m / (2^b - 2)$, $m$ its group's largest magnitude. With an fp8 `format`,
+    $x / s$ is stored in JAX's float8 dtype, $s = m / \\max_\\text{fp8}$.
 
-    - Memory per element, float32 residual, group 64, float32 scales: int8 1.06 B
-      (0.27x), int4 0.56 B (0.14x), 2-bit 0.31 B (0.08x), fp8 1.06 B.
+    - Memory per element, float32 residual, group 64, float32 scales: int8 1.08 B
+      (0.27x), int4 0.58 B (0.14x), 2-bit 0.33 B (0.08x), fp8 1.06 B.
+    - Row statistics are stored as they are: a residual whose last axis has size 1,
+      what a reduction with `keepdims=True` leaves (softmax row sums
+      `[batch, heads, queries, 1]` from `jax.nn.softmax` and
+      `jax.nn.dot_product_attention`, LayerNorm/RMSNorm statistics
+      `[batch, tokens, 1]`). Each scales a whole row in the backward and they can
+      span orders of magnitude across rows (causal row sums run from 1 to the
+      sequence length), while they take `1 / row length` of the memory of the rows
+      they summarize.
     - Non-finite values: scales only look at finite values, so a NaN or Inf never
       changes any other group. A group holding one is marked (negative scale),
       keeps code 0 for them and gives them back as NaN (an Inf comes back as NaN
       too: the gradient still shows the divergence at the same position); its
-      finite values use the $2^b - 1$ codes around zero. fp8 keeps non-finite values
-      as the fp8 dtype does (`e5m2` keeps Inf; `e4m3` has no Inf and gives NaN).
+      finite values use the $2^b - 1$ codes of a grid centred on zero. fp8 keeps
+      non-finite values as the fp8 dtype does (`e5m2` keeps Inf; `e4m3` has no Inf
+      and gives NaN).
     - `stochastic=True` (integer formats) rounds up with probability equal to the
       fractional part, so the dequantized value is unbiased. Its random key comes
       from `seed`, the residual's index and a cheap hash of the residual's bits: the
@@ -49,19 +64,17 @@ class Quantize(Policy):
 
     Built-in defaults: only floating-point residuals of at least `min_bytes` that are
     not kept alive anyway (`ResidualInfo.kept_alive`: weights, loop-invariant
-    operands) are quantized.
+    operands) and are not row statistics are quantized.
 
     Args:
         bits: 8, 4 or 2 for `format="int"`; 8 for fp8.
         format: `"int"`, `"fp8_e4m3"` or `"fp8_e5m2"`.
-        group_size: elements per scale along the last axis (default 64).
+        group_size: the most elements one scale covers (default 64).
         stochastic: unbiased stochastic rounding instead of round-to-nearest.
         scale_dtype: `jnp.float32` or `jnp.bfloat16`.
         seed: base seed of stochastic rounding.
         min_bytes: residuals smaller than this (per iteration) are stored as they are:
-            they cost little, and they are where quantization hurts most (the
-            statistics of a normalization, `[batch, 1]`, quantized as one group, made
-            int4 training diverge in `benchmarks/quality.py`).
+            they cost little, and they are where quantization hurts most.
 
     Raises:
         ValueError: an unsupported `bits`, `format`, `group_size` or `scale_dtype`.
