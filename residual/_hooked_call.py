@@ -43,6 +43,7 @@ from ._residuals import (
     trace_residuals,
 )
 from ._scope import resolve_entry
+from .policies.select import warns_on_unmatched_rules
 
 
 def hooked_call(
@@ -181,7 +182,7 @@ def hooked_call(
 
         return tuple(_run_backward(state["backward"], len(plans), restore, list(cts)))
 
-    run.defvjp(fwd, bwd)
+    run.defvjp(warns_on_unmatched_rules(fwd), bwd)
     return run(*inputs)
 
 
