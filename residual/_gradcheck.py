@@ -129,10 +129,22 @@ def gradcheck(
     ]
     grad_error = max(errors, default=0.0)
     finite_differences = None
-    leaves = [a for a in jax.tree.leaves(args) if hasattr(a, "dtype")]
-    if leaves and all(a.dtype == jnp.float64 for a in leaves):
+    leaves, treedef = jax.tree.flatten(args)
+    # Finite differences move the floating-point arguments only: integers and typed
+    # PRNG keys (dropout) stay as given, so a model taking a key is checked too.
+    varied = [i for i, a in enumerate(leaves) if _is_float(a)]
+    if varied and all(leaves[i].dtype == jnp.float64 for i in varied):
+
+        def of_floats(*floats):
+            full = list(leaves)
+            for i, value in zip(varied, floats):
+                full[i] = value
+            return hooked(*jax.tree.unflatten(treedef, full))
+
         try:
-            jax.test_util.check_grads(hooked, args, order=1, modes=("rev",))
+            jax.test_util.check_grads(
+                of_floats, [leaves[i] for i in varied], order=1, modes=("rev",)
+            )
             finite_differences = True
         except AssertionError:
             finite_differences = False
@@ -142,6 +154,11 @@ def gradcheck(
     if raise_on_failure and not ok:
         raise AssertionError(repr(result))
     return result
+
+
+def _is_float(leaf) -> bool:
+    """An array of floats (Python numbers, which have no dtype, stay fixed)."""
+    return hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact)
 
 
 def _gradient(fn: Callable, args: tuple):

@@ -45,6 +45,7 @@ from ._residuals import (
     value_describer,
 )
 from ._scope import resolve_entry
+from .policies.select import warns_on_unmatched_rules
 
 
 def hooked_call(
@@ -236,7 +237,7 @@ def hooked_call(
 
         return tuple(_run_backward(state["backward"], len(plans), restore, list(cts), ordered))
 
-    run.defvjp(fwd, bwd)
+    run.defvjp(warns_on_unmatched_rules(fwd), bwd)
     return run(*inputs)
 
 

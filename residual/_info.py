@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import Any
 
+import jax
 import numpy as np
 
 
@@ -20,7 +23,9 @@ class ResidualInfo:
         index: position of the residual among those of the hooked function (or of the
             scan body it was produced in), in JAX's own order.
         shape: the residual's shape, as seen by one iteration for a scan body.
-        dtype: the residual's dtype.
+        dtype: the residual's dtype: a NumPy dtype, or one of JAX's extended dtypes
+            (a typed PRNG key such as `key<fry>`, `float0`) for residuals no policy
+            packs.
         primitive: name of the JAX primitive that produced it (`"tanh"`,
             `"dot_general"`, ...), or `None` when it is an input of the hooked function.
         source: `"file.py:12 (function)"` of the user code that produced it, or `None`.
@@ -60,7 +65,7 @@ class ResidualInfo:
     @property
     def nbytes(self) -> int:
         """Bytes the residual takes unpacked (per iteration inside a scan body)."""
-        return self.size * np.dtype(self.dtype).itemsize
+        return self.size * itemsize(self.dtype)
 
     def describe(self) -> str:
         """One line naming the residual, used in error messages and notes."""
@@ -72,6 +77,32 @@ class ResidualInfo:
         name = f" named '{self.name}'" if self.name else ""
         dims = ", ".join(str(d) for d in self.shape)
         return (
-            f"residual #{self.index} {np.dtype(self.dtype).name}[{dims}] "
+            f"residual #{self.index} {dtype_name(self.dtype)}[{dims}] "
             f"({what}{where}{scope}{name})"
         )
+
+
+@functools.cache
+def itemsize(dtype: Any) -> int:
+    """Bytes per element, extended dtypes included.
+
+    A typed PRNG key (`jax.random.key`) takes the bytes of its key data
+    (`jax.random.key_data`: two uint32 for `threefry`); `float0` (the tangent type of
+    integers) takes none. NumPy refuses extended dtypes (`np.dtype('key<fry>')`
+    raises), so they never reach it.
+    """
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
+        return math.prod(data.shape) * data.dtype.itemsize
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return int(getattr(dtype, "itemsize", 0))
+    return np.dtype(dtype).itemsize
+
+
+def dtype_name(dtype: Any) -> str:
+    """`float32`, `key<fry>`, `float0`: how reports and messages name a dtype."""
+    if dtype == jax.dtypes.float0:
+        return "float0"  # NumPy calls it `void`
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return str(dtype)
+    return np.dtype(dtype).name

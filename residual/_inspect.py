@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _jax_private as jp
+from ._info import dtype_name
 from ._policy import Policy
 from ._record import Record, recording
 from ._residuals import _follow, _Origin, _producers
@@ -447,7 +448,7 @@ def _row(record: Record, section: str, with_policy: bool) -> Row:
     label = f"{section}[{info.index}]" if section else str(info.index)
     return Row(
         label=label, section=section, index=info.index, shape=tuple(info.shape),
-        dtype=np.dtype(info.dtype).name, nbytes=info.nbytes, iterations=record.iterations,
+        dtype=dtype_name(info.dtype), nbytes=info.nbytes, iterations=record.iterations,
         primitive=info.primitive, source=_user_source(record), scope=info.scope,
         name=info.name, policy=_short(policy), how=record.how if with_policy else "kept",
         stored_bytes=stored * record.iterations,

@@ -381,8 +381,9 @@ class _RoundTrip:
     bits=st.sampled_from([8, 4, 2]),
 ), st.integers(0, 2**16))
 def test_quantize_round_trip_error_is_the_documented_half_step(rt, seed):
-    # Documented: codes are the nearest of 2^b evenly spaced values in [-m, m], m the
-    # group's absmax, so no value moves by more than half a step, m / (2^b - 1).
+    # Documented: codes are the nearest of 2^b evenly spaced values, zero among them,
+    # over the group's range (and zero); the step is at most that range over 2^b - 2,
+    # so no value moves by more than m / (2^b - 2), m the group's absmax.
     x = jax.random.normal(jax.random.key(seed), rt.shape) * jnp.float32(2.0**rt.log_scale)
     policy = rp.Quantize(bits=rt.bits, group_size=rt.group_size, min_bytes=0)
     info = ResidualInfo(index=0, shape=rt.shape, dtype=np.dtype(np.float32))
@@ -397,7 +398,7 @@ def test_quantize_round_trip_error_is_the_documented_half_step(rt, seed):
         m = np.max(np.abs(groups), axis=1, keepdims=True)
     else:
         err, m = np.abs(back - x), np.max(np.abs(x))
-    assert np.all(err <= m / (2**rt.bits - 1) * (1 + 1e-5))
+    assert np.all(err <= m / (2**rt.bits - 2) * (1 + 1e-5))
 
 
 @given(cases(dtypes=[jnp.float64]))

@@ -98,7 +98,8 @@ def test_slices_of_stacked_weights_cost_no_more_than_without_hooks():
         return temp_bytes(grad(unrolled_mlp), ws, x) - temp_bytes(grad(listed_mlp), list(ws), x)
 
     plain = cost_of_slices(None)
-    assert cost_of_slices(rp.Quantize(bits=8)) <= plain / 2
+    # Stored as residuals, the six float32 slices (64 KiB each) would add 384 KiB.
+    assert cost_of_slices(rp.Quantize(bits=8)) <= plain
     assert cost_of_slices(rp.Cast(jnp.bfloat16)) < plain + ws[0].nbytes  # was plain + 4 slices
 
 

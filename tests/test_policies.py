@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -25,7 +27,8 @@ POLICIES = [
     (rp.Quantize(format="fp8_e4m3", min_bytes=0), 1e-1),
     (rp.Quantize(format="fp8_e5m2", min_bytes=0), 2e-1),
     (rp.Chain(rp.Quantize(bits=8, min_bytes=0), rp.Offload()), 1e-2),
-    (rp.select([(rp.where(primitive="dot_general"), rp.Identity())], default=rp.Remat()), 1e-6),
+    # Keeps the tanh outputs (the tanh MLPs save no `dot_general` output), recomputes the rest.
+    (rp.select([(rp.where(primitive="tanh"), rp.Identity())], default=rp.Remat()), 1e-6),
     (rp.select([(rp.where(min_bytes=1024), rp.Quantize(bits=8, min_bytes=0))]), 1e-2),
 ]
 IDS = [repr(p)[:30] for p, _ in POLICIES]
@@ -180,3 +183,51 @@ def test_quantize_leaves_residuals_already_in_host_memory_alone(policy):
     hooked = residual.with_hooks(g, policy=policy)
     for grad in (jax.grad, lambda h: jax.jit(jax.grad(h))):
         assert relative_error(grad(hooked)(x), jax.grad(g)(x)) <= 2e-1
+
+
+def _two_layers(ws, x):
+    with jax.named_scope("block0"):
+        x = jnp.tanh(x @ ws[0])
+
+    def layer(h, w):
+        return jnp.sin(h @ w), None
+
+    x, _ = lax.scan(layer, x, ws[1:])
+    return jnp.sum(x**2)
+
+
+def test_a_rule_matching_no_residual_warns_once_with_what_there_is():
+    ws, x = jnp.ones((3, 8, 8)) / 8, jnp.ones((4, 8))
+    policy = rp.select([(rp.where(scope="block1/*"), rp.Remat())], default=rp.Identity())
+    g = jax.jit(jax.grad(residual.with_hooks(_two_layers, policy=policy)))
+    with pytest.warns(UserWarning) as caught:
+        g(ws, x)
+        g(ws, x)  # cached: not traced again, no second warning
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert re.search(r"`select` rule \(where\(scope='block1/\*'\), Remat\(\)\) matched none of "
+                     r"the \d+ residuals", message)
+    assert "scopes: 'block0';" in message and "_two_layers.<locals>.layer)" in message
+    assert "'cos'" in message
+    assert "'tanh'" in message or "'one_minus_square'" in message  # jax 0.10 / 0.11 on
+
+
+def test_a_scope_rule_on_a_model_without_scopes_suggests_source():
+    def f(x):
+        return jnp.sum(jnp.tanh(x) ** 2)
+
+    policy = rp.select([(rp.where(scope="*attention*"), rp.Remat())])
+    with pytest.warns(UserWarning, match=r"No residual has a scope.*flax NNX and keras.*"
+                                         r"`source=`"):
+        jax.grad(residual.with_hooks(f, policy=policy))(jnp.ones(8))
+
+
+def test_rules_matching_only_in_a_scan_body_or_only_outside_do_not_warn():
+    # filterwarnings = error: any warning fails this test.
+    ws, x = jnp.ones((3, 8, 8)) / 8, jnp.ones((4, 8))
+    policy = rp.select([(rp.where(in_scan=True), rp.Remat()),
+                        (rp.where(scope="block0"), rp.Cast(jnp.bfloat16)),
+                        (rp.where(primitive="mul"), rp.Identity())])
+    jax.grad(residual.with_hooks(_two_layers, policy=policy))(ws, x)
+    jax.grad(jax.jit(residual.with_hooks(_two_layers, policy=policy)))(ws, x)
+    residual.inspect(_two_layers, ws, x, policy=policy, compiled=False)

@@ -24,24 +24,39 @@ _BITS = (8, 4, 2)
 
 @dataclasses.dataclass(frozen=True)
 class Quantize(Policy):
-    """Stores floating-point residuals as low-bit codes with one absmax scale per group.
+    """Stores floating-point residuals as low-bit codes with a scale per group.
 
-    Each residual is cut into groups of `group_size` consecutive elements along its
-    last axis (one group for the whole tensor when the last axis is not a multiple of
-    `group_size`). With `format="int"`, a group with largest finite magnitude $m$ (its
-    absmax scale) is stored as codes of the nearest of $2^b$ evenly spaced values from
-    $-m$ to $m$, packed into `uint8`: one code per byte for `bits=8`, two for 4, four
-    for 2. With an fp8 `format`, $x / s$ is stored in JAX's float8 dtype,
-    $s = m / \\max_\\text{fp8}$.
+    Each residual is cut into groups of at most `group_size` consecutive elements
+    along one axis: the last axis when `group_size` divides it; for a shorter last
+    axis, an earlier axis that `group_size` divides (else one group per row); a
+    longer one is cut into near-equal groups, padded with a few zeros. No scale ever
+    spans the whole tensor, and codes keep the residual's layout (sharded
+    activations stay sharded). With `format="int"`, a group spanning $[lo, hi]$ is
+    stored as codes of the nearest of $2^b$ evenly spaced values over
+    $[\\min(lo, 0), \\max(hi, 0)]$ with zero among them (affine quantization: a
+    scale and an integer zero point per group), packed into `uint8`: one code per
+    byte for `bits=8`, two for 4, four for 2. Zeros (a causal mask, ReLU) stay
+    exactly zero, a group of one sign uses every code, and no value moves by more
+    than $m / (2^b - 2)$, $m$ its group's largest magnitude. With an fp8 `format`,
+    $x / s$ is stored in JAX's float8 dtype, $s = m / \\max_\\text{fp8}$.
 
-    - Memory per element, float32 residual, group 64, float32 scales: int8 1.06 B
-      (0.27x), int4 0.56 B (0.14x), 2-bit 0.31 B (0.08x), fp8 1.06 B.
+    - Memory per element, float32 residual, group 64, float32 scales: int8 1.08 B
+      (0.27x), int4 0.58 B (0.14x), 2-bit 0.33 B (0.08x), fp8 1.06 B.
+    - Row statistics are stored as they are: a residual whose last axis has size 1,
+      what a reduction with `keepdims=True` leaves (softmax row sums
+      `[batch, heads, queries, 1]` from `jax.nn.softmax` and
+      `jax.nn.dot_product_attention`, LayerNorm/RMSNorm statistics
+      `[batch, tokens, 1]`). Each scales a whole row in the backward and they can
+      span orders of magnitude across rows (causal row sums run from 1 to the
+      sequence length), while they take `1 / row length` of the memory of the rows
+      they summarize.
     - Non-finite values: scales only look at finite values, so a NaN or Inf never
       changes any other group. A group holding one is marked (negative scale),
       keeps code 0 for them and gives them back as NaN (an Inf comes back as NaN
       too: the gradient still shows the divergence at the same position); its
-      finite values use the $2^b - 1$ codes around zero. fp8 keeps non-finite values
-      as the fp8 dtype does (`e5m2` keeps Inf; `e4m3` has no Inf and gives NaN).
+      finite values use the $2^b - 1$ codes of a grid centred on zero. fp8 keeps
+      non-finite values as the fp8 dtype does (`e5m2` keeps Inf; `e4m3` has no Inf
+      and gives NaN).
     - `stochastic=True` (integer formats) rounds up with probability equal to the
       fractional part, so the dequantized value is unbiased. Its random key comes
       from `seed`, the residual's index and a cheap hash of the residual's bits: the
@@ -50,22 +65,20 @@ class Quantize(Policy):
 
     Built-in defaults: only floating-point residuals of at least `min_bytes` that are
     not kept alive anyway (`ResidualInfo.kept_alive`: weights, loop-invariant
-    operands) are quantized. Residuals already in host memory (offloaded by a
-    `jax.checkpoint` policy inside the hooked function) are stored as they are: XLA
-    does not compute on them there. To quantize and offload, chain the two in that
-    order, `Chain(Quantize(...), Offload())`.
+    operands) and are not row statistics are quantized. Residuals already in host
+    memory (offloaded by a `jax.checkpoint` policy inside the hooked function) are
+    stored as they are: XLA does not compute on them there. To quantize and offload,
+    chain the two in that order, `Chain(Quantize(...), Offload())`.
 
     Args:
         bits: 8, 4 or 2 for `format="int"`; 8 for fp8.
         format: `"int"`, `"fp8_e4m3"` or `"fp8_e5m2"`.
-        group_size: elements per scale along the last axis (default 64).
+        group_size: the most elements one scale covers (default 64).
         stochastic: unbiased stochastic rounding instead of round-to-nearest.
         scale_dtype: `jnp.float32` or `jnp.bfloat16`.
         seed: base seed of stochastic rounding.
         min_bytes: residuals smaller than this (per iteration) are stored as they are:
-            they cost little, and they are where quantization hurts most (the
-            statistics of a normalization, `[batch, 1]`, quantized as one group, made
-            int4 training diverge in `benchmarks/quality.py`).
+            they cost little, and they are where quantization hurts most.
 
     Raises:
         TypeError: a field of the wrong type (`bits=4.0`, `stochastic="yes"`, `seed="a"`;
@@ -140,7 +153,9 @@ class Quantize(Policy):
         object.__setattr__(self, "scale_dtype", scale)
 
     def resolve(self, info: ResidualInfo) -> Policy | None:
-        return self if worth_packing(info) and info.nbytes >= self.min_bytes else None
+        if not worth_packing(info) or info.nbytes < self.min_bytes:
+            return None
+        return None if _is_row_statistic(info.shape) else self
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> dict[str, jnp.ndarray] | jnp.ndarray:
         if not in_device_memory(x):
@@ -148,63 +163,75 @@ class Quantize(Policy):
             # function): XLA cannot compute on host memory, and the device holds none
             # of it to save. Stored as it is.
             return x
-        groups = _grouped(x.astype(jnp.float32), self.group_size)
+        layout = _layout(x.shape, self.group_size)
+        groups = layout.split(x.astype(jnp.float32))
         # Plain max and min read the data directly: no float temporary the size of
-        # the residual (an absmax over `where(isfinite, abs, 0)` is one, on CPU).
-        # A NaN or Inf shows in them; only then does the slower exact path run.
-        hi = jnp.max(groups, axis=-1, initial=-jnp.inf)
-        lo = jnp.min(groups, axis=-1, initial=jnp.inf)
-        clean = jnp.isfinite(hi) & jnp.isfinite(lo) | (groups.shape[-1] == 0)
+        # the residual (a max over `where(isfinite, x, 0)` is one, on CPU). A NaN or
+        # Inf shows in them; only then does the slower exact path run.
+        hi = jnp.max(groups, axis=layout.reduced, keepdims=True, initial=-jnp.inf)
+        lo = jnp.min(groups, axis=layout.reduced, keepdims=True, initial=jnp.inf)
+        clean = jnp.all(jnp.isfinite(hi) & jnp.isfinite(lo))
         # The key, not the noise, goes into the `cond`: an operand the size of the
         # residual would be materialized whole.
         key = _key(self.seed, info.index, x) if self.stochastic else None
         fast = functools.partial(self._pack_clean, key=key)
-        slow = functools.partial(self._pack_any, key=key)
-        pred, absmax = jnp.all(clean), jnp.maximum(hi, -lo)
-        if isinstance(pred, jax.core.Tracer):
-            codes, scale = lax.cond(pred, fast, slow, groups, absmax)
+        slow = functools.partial(self._pack_any, key=key, axis=layout.reduced)
+        if isinstance(clean, jax.core.Tracer):
+            packed = lax.cond(clean, fast, slow, groups, lo, hi)
         else:  # eager: a `cond` of these fresh branches would be compiled anew per call
-            codes, scale = (fast if pred else slow)(groups, absmax)
+            packed = (fast if clean else slow)(groups, lo, hi)
         # Codes keep the residual's layout (`[..., last]`, or `[..., last * bits / 8]`
-        # bytes) and scales its leading axes (`[..., groups]`): under `jit` with
+        # bytes, the last axis padded to whole groups when it must be) and scales
+        # its axes with the grouped one divided by the group size: under `jit` with
         # sharded activations they stay sharded like the residual. Merging axes (a
         # flat `(groups, group_size)` or a `ravel`) would make XLA's partitioner
         # replicate a residual sharded along its last axis (tensor parallelism).
-        codes = codes.reshape(_codes_shape(x.shape, self.group_size))
+        codes = packed.pop("codes").reshape(layout.padded)
         if self.format == "int":
             codes = _pack_codes(codes, self.bits)
-        return {"codes": codes, "scale": scale}
+        return {"codes": codes, **{k: v.squeeze(layout.reduced) for k, v in packed.items()}}
 
-    def _pack_clean(self, groups, absmax, key):
+    def _pack_clean(self, groups, lo, hi, key):
         """All values finite: every code is a value."""
-        return self._codes(groups, absmax, jnp.zeros_like(absmax, dtype=bool), key)
+        broken = jnp.zeros_like(hi, dtype=bool)
+        return self._codes(groups, jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0), broken, key)
 
-    def _pack_any(self, groups, absmax, key):
+    def _pack_any(self, groups, lo, hi, key, axis):
         """Some values are NaN or Inf: scales from the finite ones, code 0 for the rest."""
+        del lo, hi  # they saw the non-finite values
         finite = jnp.isfinite(groups)
-        absmax = jnp.max(jnp.where(finite, jnp.abs(groups), 0.0), axis=-1, initial=0.0)
-        codes, scale = self._codes(groups, absmax, ~jnp.all(finite, axis=-1), key)
+        values = jnp.where(finite, groups, 0.0)
+        lo = jnp.min(values, axis=axis, keepdims=True, initial=0.0)
+        hi = jnp.max(values, axis=axis, keepdims=True, initial=0.0)
+        broken = ~jnp.all(finite, axis=axis, keepdims=True)
+        packed = self._codes(groups, lo, hi, broken, key)
         if self.format == "int":
-            codes = jnp.where(finite, codes, jnp.uint8(0))
-        return codes, scale
+            packed["codes"] = jnp.where(finite, packed["codes"], jnp.uint8(0))
+        return packed
 
-    def _codes(self, groups, absmax, broken, key):
+    def _codes(self, groups, lo, hi, broken, key) -> dict[str, jnp.ndarray]:
+        """Codes and per-group scales (and zero points) for groups spanning `[lo, hi]`.
+
+        `lo <= 0 <= hi` (so zero is always on the grid), both with the group axis
+        kept (size 1); `broken` marks the groups holding a NaN or Inf.
+        """
         if self.format != "int":
             top = float(jnp.finfo(_FP8[self.format]).max)
-            scale = (absmax / top).astype(self.scale_dtype)
-            safe = jnp.where(scale > 0, scale.astype(jnp.float32), 1.0)[..., None]
-            return (groups / safe).astype(_FP8[self.format]), scale
+            scale = _round_up(jnp.maximum(hi, -lo) / top, self.scale_dtype)
+            safe = jnp.where(scale > 0, scale.astype(jnp.float32), 1.0)
+            return {"codes": (groups / safe).astype(_FP8[self.format]), "scale": scale}
+        top = 2**self.bits - 1
         half = 2 ** (self.bits - 1)
-        # Clean groups use all 2^b codes, on an even grid from -m to m. Groups holding
-        # a NaN or Inf keep code 0 for those and put the finite values on the 2^b - 1
-        # codes of a grid through zero; a negative scale marks them.
-        steps = jnp.where(broken, half - 1, half - 0.5)
-        # Quantize with the scale as stored, so unpack sees exactly what pack used.
-        scale = (absmax / steps).astype(self.scale_dtype)
-        step = scale.astype(jnp.float32)
-        safe = jnp.where(step > 0, step, 1.0)[..., None]
-        offset = jnp.where(broken, 0.0, half - 0.5)[..., None]
-        position = groups / safe + offset  # in [-(half - 1), half - 1] or [0, 2^b - 1]
+        zero, step = _zero_point(lo, hi, top)
+        # Groups holding a NaN or Inf keep code 0 for those and put the finite values
+        # on the 2^b - 1 codes of a grid centred on zero; a negative scale marks them.
+        zero = jnp.where(broken, half, zero)
+        step = jnp.where(broken, jnp.maximum(hi, -lo) / (half - 1), step)
+        # Quantize with the scale as stored (rounded up, so the grid still covers the
+        # group), so unpack sees exactly what pack used.
+        scale = _round_up(step, self.scale_dtype)
+        stored = scale.astype(jnp.float32)
+        position = groups / jnp.where(stored > 0, stored, 1.0) + zero  # in [0, 2^b - 1]
         if key is None:
             rounded = jnp.round(position)
         else:
@@ -212,52 +239,139 @@ class Quantize(Policy):
             # to within 1/512 of a step, at a quarter of the temporary of float noise.
             bits = _random_bytes(key, position.shape)
             rounded = jnp.floor(position + (bits.astype(jnp.float32) + 0.5) / 256)
-        low = jnp.where(broken, 1 - half, 0)[..., None]
-        high = jnp.where(broken, half - 1, 2 * half - 1)[..., None]
-        codes = jnp.clip(rounded, low, high) + jnp.where(broken, half, 0)[..., None]
+        codes = jnp.clip(rounded, jnp.where(broken, 1, 0), top)
         # NaN codes (non-finite inputs) become 0 in `_pack_any`; cast them safely here.
         codes = jnp.where(jnp.isnan(codes), 0, codes).astype(jnp.uint8)
-        return codes, jnp.where(broken, -scale, scale)
+        return {"codes": codes, "scale": jnp.where(broken, -scale, scale),
+                "zero": zero.astype(jnp.uint8)}
 
     def unpack(self, packed: dict[str, jnp.ndarray], info: ResidualInfo) -> jnp.ndarray:
         if not isinstance(packed, dict):
             return packed  # stored as it is by `pack`: it was in host memory
-        scale = packed["scale"].astype(jnp.float32)[..., None]
-        shape = _group_shape(info.shape, self.group_size)
+        layout = _layout(info.shape, self.group_size)
+        scale = jnp.expand_dims(packed["scale"].astype(jnp.float32), layout.reduced)
         if self.format != "int":
-            values = packed["codes"].reshape(shape).astype(jnp.float32) * scale
-            return values.reshape(info.shape).astype(info.dtype)
-        half = 2 ** (self.bits - 1)
-        broken = jnp.signbit(scale)
-        codes = _unpack_codes(packed["codes"], self.bits, info.size).reshape(shape)
-        position = codes.astype(jnp.float32) - jnp.where(broken, half, half - 0.5)
-        values = position * jnp.abs(scale)
-        values = jnp.where(broken & (codes == 0), jnp.nan, values)
-        return values.reshape(info.shape).astype(info.dtype)
+            values = layout.split(packed["codes"].astype(jnp.float32)) * scale
+            return layout.merge(values).astype(info.dtype)
+        size = math.prod(layout.padded)
+        codes = layout.split(_unpack_codes(packed["codes"], self.bits, size))
+        zero = jnp.expand_dims(packed["zero"], layout.reduced).astype(jnp.float32)
+        values = (codes.astype(jnp.float32) - zero) * jnp.abs(scale)
+        values = jnp.where(jnp.signbit(scale) & (codes == 0), jnp.nan, values)
+        return layout.merge(values).astype(info.dtype)
 
 
-def _splits_last_axis(shape: tuple[int, ...], group_size: int) -> bool:
-    return len(shape) >= 1 and shape[-1] % group_size == 0 and math.prod(shape) > 0
+def _is_row_statistic(shape: tuple[int, ...]) -> bool:
+    """A trailing axis of size 1: what a reduction with `keepdims=True` leaves.
 
-
-def _group_shape(shape: tuple[int, ...], group_size: int) -> tuple[int, ...]:
-    """`[..., last // group_size, group_size]`, or `(1, size)`: one group for the tensor.
-
-    Only the last axis is split, never merged with others: a residual sharded along
-    any axis keeps its groups, scales and codes on the devices that hold it.
+    Softmax row sums (`[batch, heads, queries, 1]`, from `jax.nn.softmax` and
+    `jax.nn.dot_product_attention`) and normalization statistics (`[batch, tokens,
+    1]`) each scale a whole row in the backward, and across rows they can span
+    orders of magnitude (the causal row sums run from 1 to the sequence length). So
+    `Quantize` stores them as they are: they take `1 / row length` of the memory of
+    the rows they summarize.
     """
-    if _splits_last_axis(shape, group_size):
-        return (*shape[:-1], shape[-1] // group_size, group_size)
-    return (1, math.prod(shape))
+    return len(shape) >= 1 and shape[-1] == 1
 
 
-def _grouped(x: jnp.ndarray, group_size: int) -> jnp.ndarray:
-    return x.reshape(_group_shape(x.shape, group_size))
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How a residual is cut into groups: `size` consecutive elements along `axis`.
+
+    Only one axis is split (and the last one padded with zeros to whole groups when
+    it must be), never merged with another: a residual sharded along any axis keeps
+    its groups, scales and codes on the devices that hold it.
+    """
+
+    shape: tuple[int, ...]  # the residual's shape
+    axis: int  # the axis the groups run along, in `padded`
+    size: int  # elements per group
+    pad: int  # zeros added at the end of the last axis
+
+    @property
+    def padded(self) -> tuple[int, ...]:
+        """The codes' shape: the residual's, with the padding (a scalar as `(1,)`)."""
+        shape = self.shape or (1,)
+        return (*shape[:-1], shape[-1] + self.pad)
+
+    @property
+    def reduced(self) -> int:
+        """The axis of `split`'s result that holds one group's elements."""
+        return self.axis + 1
+
+    def split(self, x: jnp.ndarray) -> jnp.ndarray:
+        """`x` (the residual, or anything of shape `padded`) with `axis` split in groups."""
+        if x.shape != self.padded:
+            x = x.reshape(self.shape or (1,))
+            x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, self.pad)]) if self.pad else x
+        shape = self.padded
+        n = shape[self.axis] // self.size
+        return x.reshape(*shape[: self.axis], n, self.size, *shape[self.axis + 1 :])
+
+    def merge(self, groups: jnp.ndarray) -> jnp.ndarray:
+        """The inverse of `split`: the residual's own shape, padding dropped."""
+        x = groups.reshape(self.padded)
+        if self.pad:
+            x = x[..., : x.shape[-1] - self.pad]
+        return x.reshape(self.shape)
 
 
-def _codes_shape(shape: tuple[int, ...], group_size: int) -> tuple[int, ...]:
-    """The residual's own shape, or one flat axis for the per-tensor fallback."""
-    return tuple(shape) if _splits_last_axis(shape, group_size) else (math.prod(shape),)
+def _layout(shape: tuple[int, ...], group_size: int) -> _Layout:
+    """Groups of at most `group_size` elements along one axis, for any shape.
+
+    - The last axis, in groups of `group_size`, when it divides the axis (the usual
+      case: hidden sizes, heads, sequence lengths).
+    - A last axis shorter than a group (`[batch, seq, 3]`): an earlier axis that
+      `group_size` divides, if any, else one group per row.
+    - A longer last axis that `group_size` does not divide (`197` tokens, a `1000`
+      class vocabulary): cut into as few near-equal groups as fit in `group_size`,
+      the axis padded with fewer zeros than there are groups.
+
+    So a scale never spans more than `group_size` values, and never the whole tensor.
+    """
+    shape = tuple(shape)
+    dims = shape or (1,)
+    last, axis = dims[-1], len(dims) - 1
+    if last % group_size == 0:
+        return _Layout(shape, axis, group_size, 0)
+    if last < group_size:
+        for earlier in reversed(range(axis)):
+            if dims[earlier] and dims[earlier] % group_size == 0:
+                return _Layout(shape, earlier, group_size, 0)
+        return _Layout(shape, axis, last, 0)
+    count = -(-last // group_size)
+    size = -(-last // count)
+    return _Layout(shape, axis, size, count * size - last)
+
+
+def _zero_point(lo: jnp.ndarray, hi: jnp.ndarray, top: int):
+    """The integer code of zero and the step of a grid of codes `0..top` over `[lo, hi]`.
+
+    Affine quantization (as PyTorch's and TFLite's integer kernels): value = (code -
+    zero) * step. Zero is a code, so exact zeros (a causal mask, ReLU, padding) stay
+    exactly zero; a group of one sign uses all the codes. Of the two integer zero
+    points around the exact one, the one with the smaller step: the step is at most
+    `(hi - lo) / (top - 1)`, so no value moves by more than half of that.
+    """
+    exact = top * -lo / jnp.where(hi > lo, hi - lo, 1.0)
+
+    def step(zero):
+        above = jnp.where(zero < top, hi / jnp.maximum(top - zero, 1.0), 0.0)
+        below = jnp.where(zero > 0, -lo / jnp.maximum(zero, 1.0), 0.0)
+        return jnp.maximum(above, below)
+
+    down, up = jnp.floor(exact), jnp.ceil(exact)
+    step_down, step_up = step(down), step(up)
+    return jnp.where(step_down <= step_up, down, up), jnp.minimum(step_down, step_up)
+
+
+def _round_up(value: jnp.ndarray, dtype: np.dtype) -> jnp.ndarray:
+    """`value` in `dtype`, never rounded below it (a grid must still cover its group)."""
+    stored = value.astype(dtype)
+    if stored.dtype == value.dtype:
+        return stored
+    return jnp.where(stored.astype(value.dtype) < value,
+                     jnp.nextafter(stored, jnp.asarray(jnp.inf, dtype)), stored)
 
 
 def _pack_codes(codes: jnp.ndarray, bits: int) -> jnp.ndarray:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import difflib
 import fnmatch
+import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,10 +53,12 @@ def select(
         ...                       default=rp.Remat())
         >>> keep_dots
         select([(where(primitive='dot_general'), Identity())], default=Remat())
-        >>> f = residual.with_hooks(lambda w, x: jnp.sum(jnp.sin(x @ w)), policy=keep_dots)
-        >>> jax.grad(f)(jnp.eye(2), jnp.ones((1, 2)))
-        Array([[0.5403023, 0.5403023],
-               [0.5403023, 0.5403023]], dtype=float32)
+        >>> def f(w, x):
+        ...     h = x @ w  # saved for the product: kept; sin(h) and cos(h) are recomputed
+        ...     return jnp.sum(jnp.sin(h) * h)
+        >>> jax.grad(residual.with_hooks(f, policy=keep_dots))(jnp.eye(2), jnp.ones((1, 2)))
+        Array([[1.3817732, 1.3817732],
+               [1.3817732, 1.3817732]], dtype=float32)
     """
     if _is_pair(rules):
         raise TypeError(
@@ -123,6 +128,9 @@ class _Select(Policy):
         return all(policy.lossless for policy in chosen)
 
     def resolve(self, info: ResidualInfo) -> Policy | None:
+        audit = _AUDIT.get()
+        if audit is not None:
+            audit.saw(self, info)
         for predicate, policy in self.rules:
             if predicate(info):
                 return policy.resolve(info)
@@ -133,6 +141,84 @@ class _Select(Policy):
 
     def unpack(self, packed, info):
         raise TypeError("`select` only dispatches; `resolve` picks the policy that unpacks.")
+
+
+def warns_on_unmatched_rules(fwd: Callable) -> Callable:
+    """`fwd` (a hooked function's forward), warning of `select` rules that match nothing.
+
+    Each rule's predicate is tried on every residual its `select` is asked about,
+    including those of scan bodies and inner calls traced inside the outermost
+    forward; when that forward has been traced, a rule that matched none of them
+    is warned about once (Python's warning filters drop the repeats), with the
+    scopes, sources and primitives the residuals do have. A rule that matches
+    nothing is almost always a selector written for other code: a scope the model
+    does not emit (flax NNX and keras emit no `jax.named_scope`), a typo, a renamed
+    file.
+    """
+
+    @functools.wraps(fwd)
+    def audited(*args):
+        if _AUDIT.get() is not None:
+            return fwd(*args)
+        audit = _Audit()
+        token = _AUDIT.set(audit)
+        try:
+            out = fwd(*args)
+        finally:
+            _AUDIT.reset(token)
+        audit.warn()
+        return out
+
+    return audited
+
+
+class _Audit:
+    """Which rules of each `select` matched, and the residuals they were tried on."""
+
+    def __init__(self):
+        self.matched: dict[_Select, list[bool]] = {}
+        self.seen: dict[_Select, set[ResidualInfo]] = {}
+
+    def saw(self, chooser: _Select, info: ResidualInfo) -> None:
+        matched = self.matched.setdefault(chooser, [False] * len(chooser.rules))
+        self.seen.setdefault(chooser, set()).add(info)
+        for i, (predicate, _) in enumerate(chooser.rules):
+            matched[i] = matched[i] or bool(predicate(info))
+
+    def warn(self) -> None:
+        for chooser, matched in self.matched.items():
+            for (predicate, policy), hit in zip(chooser.rules, matched):
+                if not hit:
+                    warnings.warn(_unmatched(predicate, policy, self.seen[chooser]),
+                                  UserWarning, stacklevel=2)
+
+
+def _unmatched(predicate, policy: Policy, infos: set[ResidualInfo]) -> str:
+    def listed(values) -> str:
+        values = sorted({v for v in values if v})
+        if not values:
+            return "none"
+        shown = ", ".join(repr(v) for v in values[:6])
+        return shown + (f" and {len(values) - 6} more" if len(values) > 6 else "")
+
+    hint = ""
+    if getattr(predicate, "scope", None) is not None and not any(i.scope for i in infos):
+        hint = (
+            " No residual has a scope: the model emits no `jax.named_scope` (flax NNX and "
+            "keras do not). Select by `source=` (a file, function or method, e.g. "
+            "'*(Block.__call__)') or `primitive=` instead."
+        )
+    return (
+        f"`select` rule ({predicate!r}, {policy!r}) matched none of the {len(infos)} "
+        f"residuals it was tried on, so its policy is never used. Their scopes: "
+        f"{listed(i.scope for i in infos)}; sources: {listed(i.source for i in infos)}; "
+        f"primitives: {listed(i.primitive for i in infos)}.{hint}"
+    )
+
+
+_AUDIT: contextvars.ContextVar[_Audit | None] = contextvars.ContextVar(
+    "residual_select_audit", default=None
+)
 
 
 def where(
