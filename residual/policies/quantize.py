@@ -300,11 +300,11 @@ class _Layout:
         return self.axis + 1
 
     def split(self, x: jnp.ndarray) -> jnp.ndarray:
-        """`x` (the residual, or anything of shape `padded`) with `axis` split in groups."""
-        if x.shape != self.padded:
-            x = x.reshape(self.shape or (1,))
-            x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, self.pad)]) if self.pad else x
+        """`x` (the residual, or the codes: `padded`'s size) with `axis` split in groups."""
         shape = self.padded
+        if x.size != math.prod(shape):  # the residual itself, to be padded
+            x = x.reshape(self.shape or (1,))
+            x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, self.pad)])
         n = shape[self.axis] // self.size
         return x.reshape(*shape[: self.axis], n, self.size, *shape[self.axis + 1 :])
 
