@@ -29,9 +29,6 @@ INT8 = rp.Quantize(bits=8, min_bytes=0)
 # (largest of the models below): bf16 0.4%, int8 1.6%. Bounds leave room for other seeds.
 BF16_TOLERANCE = 0.02
 INT8_TOLERANCE = 0.1
-TYPED_KEYS = pytest.mark.xfail(reason="typed PRNG keys", raises=TypeError, strict=False)
-
-
 @pytest.fixture(autouse=True)
 def _standard_promotion():
     # These libraries (and optax) are written for JAX's default dtype promotion; the
@@ -178,7 +175,6 @@ def test_flax_nnx_transformer_trains_as_plain_without_dropout():
         assert 0 < error < tolerance, f"{policy}: relative error {error:.4f}"
 
 
-@TYPED_KEYS
 def test_flax_nnx_transformer_with_dropout_trains_as_plain():
     plain_losses, plain_grads, plain_model = train_nnx(None, deterministic=False)
     losses, grads, model = train_nnx(IDENTITY, deterministic=False)
@@ -227,8 +223,11 @@ def test_flax_nnx_emits_no_scopes_but_source_globs_select_its_layers():
     assert {row.scope for row in rows} == {""}
     norms = rp.select([(rp.where(source="normalization.py:*"), BF16)])
     chosen = residual.inspect(loss, state, x, policy=norms, compiled=False).rows
-    picked = {row.source.split(":")[0] for row in chosen if row.policy != "-"}
-    assert picked == {"normalization.py"}
+    # `where(source=...)` reads the innermost frame (flax's normalization.py); the report
+    # shows the user's own line instead, so count the rows the rule chose.
+    picked = [row for row in chosen if row.policy != "-"]
+    assert picked and len(picked) < len(chosen)
+    assert all(row.primitive != "dot_general" for row in picked)
 
 
 # flax Linen: a CNN with BatchNorm, its statistics updated with `mutable=["batch_stats"]`.
