@@ -204,7 +204,8 @@ def test_flax_nnx_batch_norm_statistics_update_through_the_hooks():
     plain, hooked = (NnxBatchNormMlp(nnx.Rngs(0)) for _ in range(2))
     expected = nnx.grad(loss_fn)(plain, x)
     got = nnx.grad(nnx_with_hooks(loss_fn, IDENTITY))(hooked, x)
-    assert tree_equal(got, expected)
+    # Bit-identical on jax 0.10; jax 0.12 differs in the last bits of a few entries.
+    assert tree_allclose(got, expected, rtol=1e-6, atol=0)
     stats = nnx.state(hooked, nnx.BatchStat)
     assert tree_equal(stats, nnx.state(plain, nnx.BatchStat))
     assert not tree_equal(stats, nnx.state(NnxBatchNormMlp(nnx.Rngs(0)), nnx.BatchStat))
