@@ -28,7 +28,11 @@ class ResidualInfo:
             packs.
         primitive: name of the JAX primitive that produced it (`"tanh"`,
             `"dot_general"`, ...), or `None` when it is an input of the hooked function.
-        source: `"file.py:12 (function)"` of the user code that produced it, or `None`.
+        source: `"file.py:12 (function)"` of the innermost code that produced it (a
+            library's line for a residual made inside a library's layer), or `None`.
+        frames: every frame on the call stack that produced it, innermost first, in
+            the form of `source`: the library's lines, then the model's, then the
+            training script's. JAX's own frames are left out.
         scope: the region path built from enclosing `jax.named_scope`s, e.g.
             `"block0/mlp"`; `""` at the top level.
         name: the `jax.ad_checkpoint.checkpoint_name` tag of the value, if any.
@@ -56,6 +60,7 @@ class ResidualInfo:
     kept_alive: bool = False
     in_scan: bool = False
     derivative_of: str | None = None
+    frames: tuple[str, ...] = ()
 
     @property
     def size(self) -> int:

@@ -199,8 +199,12 @@ def user_source(eqn: JaxprEqn) -> str | None:
     frame = _source_info.user_frame(eqn.source_info.traceback)
     if frame is None:
         return None
-    file_name = frame.file_name.rsplit("/", 1)[-1]
-    return f"{file_name}:{frame.start_line} ({frame.function_name})"
+    return frame_label(frame.file_name, frame.start_line, frame.function_name)
+
+
+def frame_label(file_name: str, line: int, function: str) -> str:
+    """`"file.py:12 (function)"`, as `user_source` spells a frame."""
+    return f"{file_name.rsplit('/', 1)[-1]}:{line} ({function})"
 
 
 def dce(jaxpr: Jaxpr, used_outputs: Sequence[bool]) -> tuple[Jaxpr, list[bool]]:

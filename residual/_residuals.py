@@ -9,6 +9,7 @@ bodies, `cond` branches and `checkpoint`s) gives its metadata.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -176,6 +177,7 @@ def _describe(index: int, var: Any, origin: _Origin, kinds: Sequence[InputKind],
         dtype=np.dtype(dtype) if numeric else dtype,
         primitive=origin.primitive,
         source=_source(origin),
+        frames=_frames(origin),
         scope="/".join(s for s in origin.scopes if not is_marker(s)),
         name=origin.name,
         is_input=is_input,
@@ -234,6 +236,21 @@ class _DerivativeRules:
                 name = e.primitive.name
                 return str(e.params.get("name", name)) if name in ("jit", "pjit") else name
         return None
+
+
+_OWN_FILES = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_DEMO = os.path.join(_OWN_FILES, "_demo.py")  # plays the user's part in the demo
+
+
+def _frames(origin: _Origin) -> tuple[str, ...]:
+    if origin.eqn is None:
+        return ()
+    labels = (
+        jp.frame_label(*frame)
+        for e in (origin.eqn, *origin.enclosing) for frame in jp.source_frames(e)
+        if frame[0] == _DEMO or not frame[0].startswith(_OWN_FILES)
+    )
+    return tuple(dict.fromkeys(labels))
 
 
 def _source(origin: _Origin) -> str | None:

@@ -1,10 +1,19 @@
 import os
 
 import jax
+import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-# Strict promotion catches a hook or policy that changes dtypes by accident.
-jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+@pytest.fixture(autouse=True)
+def _strict_dtype_promotion():
+    """Strict promotion catches a hook or policy that changes dtypes by accident.
+
+    Scoped to this folder's tests: the docs' doctests run third-party layers as users do,
+    under JAX's default promotion.
+    """
+    with jax.numpy_dtype_promotion("strict"):
+        yield
 
 # Property tests (tests/test_fuzz.py): a bounded profile for CI, a long one on request
 # with `RESIDUAL_FUZZ_PROFILE=long`. Programs are traced and compiled per example, so

@@ -142,7 +142,8 @@ def test_report_numbers_each_row_once_in_order_and_counts_every_iteration():
     text = str(report)
     assert max(len(line) for line in text.splitlines()) <= 100
     line = next(line for line in text.splitlines() if line.startswith(tanh.label + " "))
-    assert re.search(r"96\.0 KiB +packed +25\.5 KiB", line)  # one unit on both sides
+    stored = f"{tanh.stored_bytes / 1024:.1f} KiB"
+    assert re.search(rf"96\.0 KiB +packed +{re.escape(stored)}", line)  # one unit on both sides
     wide = report.text(width=None)
     assert max(len(line) for line in wide.splitlines()) > 100 and "Quantize" in wide
 

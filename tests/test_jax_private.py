@@ -157,6 +157,8 @@ def test_source_frames_lists_the_callers_innermost_first():
     assert frames[0][0] == __file__ and frames[0][2] == "_traced_here"
     assert frames[1][2] == "test_source_frames_lists_the_callers_innermost_first.<locals>.<lambda>"
     assert all(isinstance(line, int) for _, line, _ in frames)
+    assert jp.frame_label(*frames[0]) == jp.user_source(eqn)
+    assert jp.user_source(eqn).endswith("(_traced_here)")
 
 
 def test_library_frames_are_hidden_and_scope_names_kept_as_given():

@@ -224,11 +224,18 @@ def test_flax_nnx_emits_no_scopes_but_source_globs_select_its_layers():
     assert {row.scope for row in rows} == {""}
     norms = rp.select([(rp.where(source="normalization.py:*"), BF16)])
     chosen = residual.inspect(loss, state, x, policy=norms, compiled=False).rows
-    # `where(source=...)` reads the innermost frame (flax's normalization.py); the report
-    # shows the user's own line instead, so count the rows the rule chose.
+    # `where(source=...)` matches any frame: flax's normalization.py picks the norms
+    # alone; the report shows the user's own line, so count the rows the rule chose.
     picked = [row for row in chosen if row.policy != "-"]
     assert picked and len(picked) < len(chosen)
     assert all(row.primitive != "dot_general" for row in picked)
+    # A rule on the user's method picks what the flax layers it calls compute: the
+    # norms, the attention's softmax, the MLP.
+    block = rp.select([(rp.where(source="*(NnxBlock.__call__)"), BF16)])
+    chosen = residual.inspect(loss, state, x, policy=block, compiled=False).rows
+    in_block = [row for row in chosen if row.policy != "-"]
+    assert len(in_block) > len(picked)
+    assert {"exp", "tanh", "rsqrt"} <= {row.primitive for row in in_block}
 
 
 # flax Linen: a CNN with BatchNorm, its statistics updated with `mutable=["batch_stats"]`.

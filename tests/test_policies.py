@@ -116,6 +116,14 @@ def test_where_source_selects_by_file_and_function():
     assert rp.where(source="model.py:*")(info) and rp.where(source="*(Block.mlp)")(info)
     assert not rp.where(source="train.py:*")(info)
     assert not rp.where(source="*")(residual.ResidualInfo(0, (4,), jnp.dtype("float32")))
+    # Made inside a library's layer: every frame on the way there matches.
+    inner = residual.ResidualInfo(0, (4,), jnp.dtype("float32"),
+                                  source="linear.py:40 (Linear.__call__)",
+                                  frames=("linear.py:40 (Linear.__call__)",
+                                          "model.py:12 (Block.mlp)", "train.py:3 (loss)"))
+    assert all(rp.where(source=glob)(inner)
+               for glob in ("linear.py:*", "*(Block.mlp)", "train.py:*"))
+    assert not rp.where(source="data.py:*")(inner)
     # Only the residuals made in `attention` (a local function: `<locals>.attention`)
     # are cast; the policy is a hashable value.
     cast = rp.select([(rp.where(source="*.attention)"), rp.Cast(jnp.bfloat16))])

@@ -254,9 +254,11 @@ def where(
         name: a `jax.ad_checkpoint.checkpoint_name` tag, or a tuple of them.
         scope: a glob on the scope path (`fnmatch` rules, case-sensitive), e.g.
             `"block*/mlp"`; `""` is the top level.
-        source: a glob on the source line as `inspect` shows it, `"file.py:12
-            (qualified.name)"`: `"model.py:*"` for a file, `"*(Block.__call__)"` for a
-            method. A residual with no known source never matches.
+        source: a glob on a source line, `"file.py:12 (qualified.name)"`, matched
+            against every frame that produced the residual (`ResidualInfo.frames`):
+            `"model.py:*"` for a file, `"*(Block.__call__)"` for everything a method
+            computes, layers it calls included, `"normalization.py:*"` for what a
+            library's file computes. A residual with no known source never matches.
         is_input: whether it is an input of the hooked function (or a scan body's carry,
             slice or loop-invariant operand).
         kept_alive: whether the value stays alive anyway (see `ResidualInfo.kept_alive`).
@@ -347,8 +349,9 @@ class _Where:
             self.primitive is None or info.primitive in self.primitive,
             self.name is None or info.name in self.name,
             self.scope is None or fnmatch.fnmatchcase(info.scope, self.scope),
-            self.source is None or (
-                info.source is not None and fnmatch.fnmatchcase(info.source, self.source)
+            self.source is None or any(
+                fnmatch.fnmatchcase(line, self.source)
+                for line in (info.source, *info.frames) if line is not None
             ),
             self.is_input is None or info.is_input == self.is_input,
             self.kept_alive is None or info.kept_alive == self.kept_alive,
