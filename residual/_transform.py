@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from . import _jax_private as jp
 from ._hooked_call import hooked_call
+from ._nnx import call_with_state_updates
 from ._policy import Policy, as_policy
 from ._residuals import KEPT
 from ._rewrite import has_markers, interpret
@@ -62,7 +63,9 @@ def with_hooks(
 
     Args:
         f: the function; its arguments and outputs may be any pytrees (equinox
-            Modules included). Non-array leaves are treated as static.
+            Modules included). Non-array leaves are treated as static. flax NNX
+            modules among the arguments have their state updates (BatchNorm
+            statistics, RNG counts) written back, as under `nnx.grad`.
         pack: `pack(x) -> packed`, any pytree of arrays and static Python values. Plain
             hooks see every residual that is a numeric array, `f`'s inputs included.
         unpack: `unpack(packed) -> array`, of the residual's shape and dtype.
@@ -99,9 +102,12 @@ def with_hooks(
         )
     explicit = as_policy(pack, unpack, policy, caller="with_hooks")
 
+    def call(f, args, kwargs):
+        return _call(f, explicit, args, kwargs)
+
     @functools.wraps(f)
     def hooked(*args, **kwargs):
-        return _call(f, explicit, args, kwargs)
+        return call_with_state_updates(call, f, args, kwargs)
 
     return hooked
 
