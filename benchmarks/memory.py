@@ -5,7 +5,7 @@ XLA's temp memory of the compiled backward (`compiled.memory_analysis()`), both
 relative to plain `jax.grad`, and `jax.checkpoint` with `nothing_saveable` /
 `dots_saveable` on the layer body for comparison. Compile-only: nothing is run.
 
-    python benchmarks/memory.py            # the issue's sizes (a few minutes on 2 cores)
+    python benchmarks/memory.py            # full sizes (a few minutes on 2 cores)
     python benchmarks/memory.py --small    # a quick run
 """
 

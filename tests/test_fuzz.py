@@ -285,7 +285,7 @@ def test_invertible_hooks_and_remat_are_close(case):
     f, args = _loss(ops), _inputs(shape, dtype, seed)
     expected = jax.jit(_grad(f))(*args)
     # Powers of two make the round trip exact, but XLA may fuse the two programs
-    # differently: equal to the last bit or two, as the issue asks (allclose).
+    # differently: equal to the last bit or two (allclose).
     inverted = jax.jit(_grad(residual.with_hooks(f, _times_four, _quarter)))(*args)
     _close(inverted, expected, TOL[dtype])
     remat = jax.jit(_grad(residual.with_hooks(f, policy=rp.Remat())))(*args)

@@ -1,4 +1,4 @@
-"""`with_hooks`: the Core issue's behaviours 1-8, each against plain `jax.grad`."""
+"""`with_hooks`: its core behaviours, each against plain `jax.grad`."""
 
 from __future__ import annotations
 
