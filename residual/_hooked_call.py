@@ -116,7 +116,7 @@ def _interpret(closed: jp.ClosedJaxpr, xs: Sequence[Any],
     jaxpr = closed.jaxpr
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
 
-    def computed(variables, values):
+    def computed(variables: Sequence[Any], values: Sequence[Any]) -> None:
         for var, value in zip(variables, values):
             for residual, decision in early.get(var, ()):
                 value = decision.store(stores, residual, value)
@@ -161,7 +161,7 @@ def _run_backward(restores: Restores, cts: list, *, ordered: bool) -> list:
     # `jax.vjp`'s function accepts Python scalars as cotangents of scalar outputs.
     env.update((v, as_array(ct, v.aval.dtype)) for v, ct in zip(jaxpr.invars[n_res:], cts))
 
-    def read(v, tie):
+    def read(v: Any, tie: Any) -> Any:
         if isinstance(v, jp.Literal):
             return v.val
         if v not in env:

@@ -222,7 +222,8 @@ class Handoff:
 class Restores:
     """The backward's reads: each residual restored once, where it is first needed."""
 
-    def __init__(self, handoff: Handoff, arrays: Sequence[Any], cotangents: Sequence[Any]):
+    def __init__(self, handoff: Handoff, arrays: Sequence[Any],
+                 cotangents: Sequence[Any]) -> None:
         self.handoff = handoff
         self.storage = Storage(arrays)
         self.cotangents = cotangents

@@ -105,7 +105,9 @@ def trace_residuals(
     return Analysis(closed, n_out, box["treedef"], tuple(residuals))
 
 
-def backward_jaxpr(analysis: Analysis, residuals: Sequence[Any], outputs: Sequence[Any]):
+def backward_jaxpr(
+    analysis: Analysis, residuals: Sequence[Any], outputs: Sequence[Any]
+) -> jp.ClosedJaxpr:
     """JAX's backward pass as a jaxpr of the residuals and the output cotangents.
 
     Traced from the forward's own values, so that every type detail (weak types, the
@@ -125,7 +127,8 @@ def backward_jaxpr(analysis: Analysis, residuals: Sequence[Any], outputs: Sequen
     return jax.make_jaxpr(backward)(*residuals, *cotangents)
 
 
-def _derivation(var, index, producers, index_of):
+def _derivation(var: Any, index: int, producers: dict, index_of: dict[Any, int]
+                ) -> tuple[Any, tuple[Any, ...]] | None:
     # Elementwise equations as cheap to recompute as to read (`jp.CHEAP`): XLA
     # recomputes them from their operands in the backward instead of storing them,
     # and so does `hooked_call`.
@@ -170,7 +173,7 @@ class _Provenance:
 
 
 def _as_residual(index: int, var: Any, origin: _Provenance, kinds: Sequence[InputKind],
-              derivative_of: str | None = None):
+                 derivative_of: str | None = None) -> Residual:
     aval = var.aval
     dtype = getattr(aval, "dtype", None)
     shape = tuple(getattr(aval, "shape", ()))
@@ -352,14 +355,14 @@ def _produced_by(eqn: Any, var: Any, producers: dict, inputs_at: dict,
     origin.zeros = _is_filler(eqn, producers)
 
 
-def _forwarded_operand(inner_origin: _Provenance, operands):
+def _forwarded_operand(inner_origin: _Provenance, operands: Sequence[Any]) -> Any:
     """The outer operand a body returns unchanged, if it does."""
     if inner_origin.input_index is None:
         return None
     return operands[inner_origin.input_index]
 
 
-def _is_filler(eqn, producers) -> bool:
+def _is_filler(eqn: Any, producers: dict) -> bool:
     """A placeholder `cond` puts where another branch has a residual."""
     if eqn.primitive in jp.FILLERS:
         return True
@@ -403,7 +406,7 @@ def _retakeable_view(var: Any, producers: dict, inputs_at: dict,
     return view if all(len(eqn.invars) == 1 for eqn, _ in view[0]) else None
 
 
-def _inner_jaxprs(eqn, out_index: int):
+def _inner_jaxprs(eqn: Any, out_index: int) -> list[tuple[jp.Jaxpr, list[Any], int, bool]]:
     """(jaxpr, operands, output index, is a scan body) for each body of a call-like eqn."""
     if eqn.primitive is jp.scan_p:
         # A forwarded loop-invariant operand or xs slice is (a stack of) the scan's
