@@ -20,7 +20,7 @@ from . import _jax_private as jp
 from ._info import dtype_name
 from ._policy import Policy
 from ._record import Record, recording
-from ._residuals import _follow, _Origin, _producers
+from ._residuals import _producers, _Provenance, _trace_origin
 from ._transform import with_hooks
 
 
@@ -463,8 +463,8 @@ def _user_source(record: Record) -> str | None:
     if (jaxpr is None or info.primitive is None
             or call.num_outputs + info.index >= len(jaxpr.outvars)):
         return info.source
-    origin = _Origin(scopes=[], in_scan=False)
-    _follow(jaxpr.outvars[call.num_outputs + info.index], _producers(jaxpr),
+    origin = _Provenance(scopes=[], in_scan=False)
+    _trace_origin(jaxpr.outvars[call.num_outputs + info.index], _producers(jaxpr),
             {v: i for i, v in enumerate(jaxpr.invars)}, origin)
     for eqn in (origin.eqn, *origin.enclosing):
         for file_name, line, function in jp.source_frames(eqn) if eqn is not None else ():

@@ -1,26 +1,125 @@
-"""A conditional that orders work and blocks fusion, and stays a conditional under `vmap`.
+"""Ordering the work of packing and unpacking: the one place that decides how.
 
-`residual` passes values through `lax.cond(first == first, fn, copy of fn, operands)`:
-XLA never fuses across a conditional, and it cannot run one before its predicate is
-computed: `first` is one element of a value, the tie (see
-docs/xla-and-packed-residuals.md). Under `vmap` the predicate is batched and JAX
-turns the `cond` into a `select` that computes both branches: the copy is made and
-neither tie holds. Here the batching rule folds the predicate into one scalar for
-the whole batch and keeps the conditional.
+Without help, XLA fuses `pack` into the backward (computing the packed form there
+from the float residual, which it then keeps alive), runs `unpack` early (a float
+copy alive across the whole forward), and runs a `pack` long after its value was
+computed (see docs/xla-and-packed-residuals.md). `ordered` is what the forward and
+the backward call to stop that: it passes values through a conditional (or, with
+several devices, an optimization barrier) that cannot run before a given value,
+the tie, is computed, and that XLA never fuses across.
 
-Both branches return the same values, so the predicate only orders the work: no
-result depends on it.
+`passed_after` is the conditional: `lax.cond(first == first, fn, copy of fn,
+operands)`, `first` one element of the tie. Under `vmap` the predicate is batched
+and JAX would turn the `cond` into a `select` that computes both branches: the copy
+is made and neither tie holds. Its batching rule folds the predicate into one
+scalar for the whole batch and keeps the conditional. Both branches return the same
+values, so the predicate only orders the work: no result depends on it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from . import _jax_private as jp
+
+
+def ordered(
+    values: Sequence[Any],
+    tie: Any,
+    *,
+    forward: bool = False,
+    view: Callable[[Any], Any] | None = None,
+    probe_self: bool = False,
+) -> list[Any]:
+    """`values`, computed after the array `tie` and not fused with the code around them.
+
+    In the backward (the default) each array among `values` that can be ordered
+    (`_movable`) waits for `tie`, a value of the backward computed just before the
+    residual is needed; with `probe_self`, when there is no tie, the first of them
+    waits for itself, which still stops XLA fusing across. `view` (a slice, a
+    reshape) is applied to the single value of `values` inside the conditional, so
+    the view's copy exists only from then on.
+
+    In the `forward`, `values` is the value just computed followed by what was packed
+    from it: the rest of the forward reads the value through the conditional, so the
+    packed arrays are computed first and the float can be freed after its last use.
+    """
+    values = list(values)
+    if forward:
+        return _ordered_forward(values)
+    take = (lambda vs: [view(vs[0])]) if view is not None else (lambda vs: vs)
+    movable = [i for i, v in enumerate(values) if _movable(v)]
+    if not jp.is_staged() or not movable or (tie is None and not probe_self):
+        # In eager mode each operation runs on its own, and the conditionals would be
+        # compiled anew on every call.
+        return take(values)
+    chosen = [values[i] for i in movable]
+    if jax.device_count() > 1:
+        # XLA's SPMD partitioner replicates what flows through a conditional, which
+        # would all-gather sharded activations: with several devices, a barrier
+        # (kept by the GPU pipeline) orders the work after `tie` instead.
+        chosen = _barrier_after(chosen, tie)
+        for i, value in zip(movable, chosen):
+            values[i] = value
+        return take(values)
+    # Only when nothing of the backward is at hand does the probe read the value
+    # itself: XLA would compute that element from the float residual, keeping it alive.
+    probe = tie if tie is not None else chosen[0]
+    if view is not None:
+        return [passed_after(probe, chosen[0], view)]
+    for i, value in zip(movable, passed_after(probe, chosen)):
+        values[i] = value
+    return values
+
+
+def in_device_memory(array: Any) -> bool:
+    space = getattr(jax.typeof(array), "memory_space", None)
+    return space is None or space == jax.memory.Space.Device
+
+
+def _movable(value: Any) -> bool:
+    """Whether the backward orders `value`: a numeric, non-empty array on the device.
+
+    Offloaded arrays stay on the host; constants and keys pass as they are.
+    """
+    return (isinstance(value, jax.Array) and not jp.is_extended_dtype(value.dtype)
+            and bool(value.size) and in_device_memory(value))
+
+
+def _ordered_forward(values: list[Any]) -> list[Any]:
+    value = values[0]
+    if (len(values) < 2 or not value.size or jax.device_count() > 1 or not jp.is_staged()
+            or not jnp.issubdtype(value.dtype, jnp.inexact)
+            or not all(in_device_memory(v) for v in values)):
+        return values
+    return list(passed_after(value, values))
+
+
+def _barrier_after(values: list[Any], tie: Any) -> list[Any]:
+    """`values`, which XLA may not compute before `tie`, through an optimization barrier.
+
+    Inside `shard_map` a barrier's outputs vary over every manual mesh axis any of
+    its operands varies over: a value that is invariant where `tie` varies would
+    change type, and the backward's equations (a `pvary` of it, say) would refuse
+    it. Only values that vary over the same axes as `tie` are tied to it.
+    """
+    if tie is None:
+        return values
+    axes = jp.varying_axes(tie)
+    tied = [i for i, v in enumerate(values) if jp.varying_axes(v) == axes]
+    if not tied:
+        return values
+    out, _ = lax.optimization_barrier(([values[i] for i in tied], tie))
+    values = list(values)
+    for i, value in zip(tied, out):
+        values[i] = value
+    return values
 
 
 def _copy(tree):

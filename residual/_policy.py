@@ -29,6 +29,8 @@ class Policy:
 
     Attributes:
         lossless: whether `unpack(pack(x))` always equals `x` bit for bit.
+        recompute: whether the policy stores nothing and has the backward recompute
+            the residual (`Remat`): `pack` and `unpack` are then never called.
 
     Examples:
         >>> import dataclasses, jax.numpy as jnp, residual
@@ -42,6 +44,7 @@ class Policy:
     """
 
     lossless: bool = False
+    recompute: bool = False
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement `pack(x, info)`.")

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from ._info import ResidualInfo
-from ._plans import Derived, Packed, Raw, Recompute, View
 from ._policy import Policy
 
 
@@ -29,7 +28,7 @@ class Record:
             recomputed; `info.nbytes` when stored as it is).
         iterations: how many times it is stored: the product of the lengths of the
             scans around it (1 outside scans).
-        plan: how the hooked call keeps it (a `_plans` object); `how` names it.
+        plan: how the hooked call keeps it (a `_plans.Decision`); `how` names it.
         call: the traced call that stored it, shared by every record of that call (a
             scan body, a nested `with_hooks`): residual indices count within a call.
     """
@@ -44,10 +43,7 @@ class Record:
     @property
     def how(self) -> str:
         """`"kept"`, `"packed"`, `"derived"`, `"view"` or `"recomputed"`."""
-        return _HOW.get(type(self.plan), "kept")
-
-
-_HOW = {Raw: "kept", Packed: "packed", Derived: "derived", View: "view", Recompute: "recomputed"}
+        return "kept" if self.plan is None else self.plan.how
 
 
 _RECORDERS: contextvars.ContextVar[tuple[list[Record], ...]] = contextvars.ContextVar(

@@ -41,13 +41,17 @@ class Residual:
     """One residual: its public metadata plus what the transform needs to hook it."""
 
     info: ResidualInfo
-    markers: tuple[Any, ...]  # scope-stack entries of the regions around it, outermost first
+    region_policies: tuple[Any, ...]  # scope-stack entries of the hooks regions around it,
+    # outermost first
     hookable: bool  # a numeric array, neither a literal nor owned by an inner call
     owned_by_inner: bool  # stored by an inner hooked call (a scan body, a nested with_hooks)
     input_index: int | None  # which input it is, when it is one
     # (equation, operands) when it is a cheap elementwise function of other residuals
     # and literals: operands are residual indices, or literal values.
     derivation: tuple[Any, tuple[Any, ...]] | None = None
+    # (view equations, input index) when it is a view of a kept-alive input that the
+    # backward can take again instead of storing it.
+    view: tuple[tuple[Any, ...], int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,15 +94,20 @@ def trace_residuals(
     residuals = []
     rules = _DerivativeRules(jaxpr, n_out)
     for index, var in enumerate(residual_vars):
-        origin = _Origin(scopes=list(scope_prefix), in_scan=in_scan)
-        _follow(var, producers, inputs_at, origin)
-        residual = _describe(index, var, origin, input_kinds, rules.operation_of(origin))
-        derivation = _derivation(var, index, producers, index_of)
-        residuals.append(dataclasses.replace(residual, derivation=derivation))
+        origin = _Provenance(scopes=list(scope_prefix), in_scan=in_scan)
+        _trace_origin(var, producers, inputs_at, origin)
+        residual = _as_residual(index, var, origin, input_kinds, rules.operation_of(origin))
+        residuals.append(dataclasses.replace(
+            residual,
+            derivation=_derivation(var, index, producers, index_of),
+            view=_retakeable_view(var, producers, inputs_at, input_kinds),
+        ))
     return Analysis(closed, n_out, box["treedef"], tuple(residuals))
 
 
-def backward_jaxpr(analysis: Analysis, residuals: Sequence[Any], outputs: Sequence[Any]):
+def backward_jaxpr(
+    analysis: Analysis, residuals: Sequence[Any], outputs: Sequence[Any]
+) -> jp.ClosedJaxpr:
     """JAX's backward pass as a jaxpr of the residuals and the output cotangents.
 
     Traced from the forward's own values, so that every type detail (weak types, the
@@ -118,7 +127,8 @@ def backward_jaxpr(analysis: Analysis, residuals: Sequence[Any], outputs: Sequen
     return jax.make_jaxpr(backward)(*residuals, *cotangents)
 
 
-def _derivation(var, index, producers, index_of):
+def _derivation(var: Any, index: int, producers: dict, index_of: dict[Any, int]
+                ) -> tuple[Any, tuple[Any, ...]] | None:
     # Elementwise equations as cheap to recompute as to read (`jp.CHEAP`): XLA
     # recomputes them from their operands in the backward instead of storing them,
     # and so does `hooked_call`.
@@ -146,7 +156,7 @@ class _LiteralOperand:
 
 
 @dataclasses.dataclass
-class _Origin:
+class _Provenance:
     scopes: list[str]
     in_scan: bool
     eqn: Any = None
@@ -162,8 +172,8 @@ class _Origin:
     view_of_input: int | None = None  # a slice or reshape of this input
 
 
-def _describe(index: int, var: Any, origin: _Origin, kinds: Sequence[InputKind],
-              derivative_of: str | None = None):
+def _as_residual(index: int, var: Any, origin: _Provenance, kinds: Sequence[InputKind],
+                 derivative_of: str | None = None) -> Residual:
     aval = var.aval
     dtype = getattr(aval, "dtype", None)
     shape = tuple(getattr(aval, "shape", ()))
@@ -185,9 +195,9 @@ def _describe(index: int, var: Any, origin: _Origin, kinds: Sequence[InputKind],
         in_scan=origin.in_scan,
         derivative_of=derivative_of,
     )
-    markers = tuple(policy_of_marker(s) for s in origin.scopes if is_marker(s))
+    region_policies = tuple(policy_of_marker(s) for s in origin.scopes if is_marker(s))
     hookable = numeric and not origin.literal and not origin.packed
-    return Residual(info, markers, hookable, origin.packed, origin.input_index)
+    return Residual(info, region_policies, hookable, origin.packed, origin.input_index)
 
 
 class _DerivativeRules:
@@ -209,7 +219,7 @@ class _DerivativeRules:
         self.by_source: dict[str | None, list] | None = None
         self.position: dict[int, int] = {}
 
-    def operation_of(self, origin: _Origin) -> str | None:
+    def operation_of(self, origin: _Provenance) -> str | None:
         eqn = origin.eqn
         if eqn is None or origin.enclosing or any(v in self.primal_vars for v in eqn.outvars):
             return None
@@ -242,7 +252,7 @@ _OWN_FILES = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _DEMO = os.path.join(_OWN_FILES, "_demo.py")  # plays the user's part in the demo
 
 
-def _frames(origin: _Origin) -> tuple[str, ...]:
+def _frames(origin: _Provenance) -> tuple[str, ...]:
     if origin.eqn is None:
         return ()
     labels = (
@@ -253,7 +263,7 @@ def _frames(origin: _Origin) -> tuple[str, ...]:
     return tuple(dict.fromkeys(labels))
 
 
-def _source(origin: _Origin) -> str | None:
+def _source(origin: _Provenance) -> str | None:
     if origin.eqn is None:
         return None
     sources = (jp.user_source(e) for e in (origin.eqn, *origin.enclosing))
@@ -264,35 +274,50 @@ def _producers(jaxpr: jp.Jaxpr) -> dict[Any, tuple[Any, int]]:
     return {v: (eqn, k) for eqn in jaxpr.eqns for k, v in enumerate(eqn.outvars)}
 
 
-def _follow(var, producers, inputs_at, origin: _Origin) -> None:
-    """Walks back from `var` to the equation that really produced it."""
+def _trace_origin(var: Any, producers: dict, inputs_at: dict, origin: _Provenance) -> None:
+    """Walks back from `var` to the equation that really produced it, filling in `origin`."""
     if isinstance(var, jp.Literal):
         origin.literal = True
-        return
-    if var in inputs_at:
+    elif var in inputs_at:
         origin.input_index = inputs_at[var]
-        return
-    if var not in producers:  # a constant of the traced function
+    elif var not in producers:  # a constant of the traced function
         origin.literal = True
-        return
-    eqn, k = producers[var]
+    else:
+        eqn, k = producers[var]
+        operand = _looked_through(eqn, k, origin)
+        if operand is not None:
+            _trace_origin(operand, producers, inputs_at, origin)
+        elif not origin.packed and not _traced_into_bodies(eqn, k, producers, inputs_at,
+                                                            origin):
+            _produced_by(eqn, var, producers, inputs_at, origin)
+
+
+def _looked_through(eqn: Any, k: int, origin: _Provenance) -> Any:
+    """The operand that `eqn`'s output `k` merely passes on (a name, a copy), if any.
+
+    What an inner hooked call stored (named `OWNED_NAME`) stops the walk: `packed`.
+    """
     if eqn.primitive is jp.name_p:  # `checkpoint_name`: note the tag, look through it
         tag = jp.checkpoint_name_of(eqn)
         if tag == OWNED_NAME:
             origin.packed = True
-            return
+            return None
         origin.name = origin.name or tag
-        _follow(eqn.invars[0], producers, inputs_at, origin)
-        return
+        return eqn.invars[0]
     if eqn.primitive in jp.IDENTITIES:
-        _follow(eqn.invars[k], producers, inputs_at, origin)
-        return
+        return eqn.invars[k]
+    return None
+
+
+def _traced_into_bodies(eqn: Any, k: int, producers: dict, inputs_at: dict,
+                        origin: _Provenance) -> bool:
+    """Follows output `k` of a call-like `eqn` into its bodies; whether that settled it."""
     bodies = _inner_jaxprs(eqn, k)
     inner = []
     for jaxpr, operands, out_index, in_scan in bodies:
-        inner_origin = _Origin(scopes=[], in_scan=origin.in_scan or in_scan)
+        inner_origin = _Provenance(scopes=[], in_scan=origin.in_scan or in_scan)
         inner_inputs = {v: i for i, v in enumerate(jaxpr.invars)}
-        _follow(jaxpr.outvars[out_index], _producers(jaxpr), inner_inputs, inner_origin)
+        _trace_origin(jaxpr.outvars[out_index], _producers(jaxpr), inner_inputs, inner_origin)
         # A `cond` branch may fill in zeros for another branch's residual.
         if not (inner_origin.literal or inner_origin.zeros):
             inner.append((inner_origin, operands))
@@ -302,36 +327,42 @@ def _follow(var, producers, inputs_at, origin: _Origin) -> None:
         # Every body that sets it forwards the same operand: keep walking outside.
         # (`cond` may merge the residuals of different branches into one output,
         # and then it is the operand only in some of them.)
-        _follow(forwarded[0], producers, inputs_at, origin)
-        return
-    for inner_origin, _ in inner:
-        if inner_origin.eqn is not None or inner_origin.packed:
-            origin.scopes.extend([*jp.scope_names(eqn), *inner_origin.scopes])
-            for field in ("eqn", "primitive", "packed", "in_scan"):
-                setattr(origin, field, getattr(inner_origin, field))
-            origin.enclosing = [*inner_origin.enclosing, eqn]
-            origin.name = origin.name or inner_origin.name
-            return
-        break
+        _trace_origin(forwarded[0], producers, inputs_at, origin)
+        return True
     if bodies and not inner:
         origin.literal = True
-        return
+        return True
+    first = inner[0][0] if inner else None
+    if first is None or (first.eqn is None and not first.packed):
+        return False
+    # The first body that computes it names it (`cond` branches compute it alike).
+    origin.scopes.extend([*jp.scope_names(eqn), *first.scopes])
+    for field in ("eqn", "primitive", "packed", "in_scan"):
+        setattr(origin, field, getattr(first, field))
+    origin.enclosing = [*first.enclosing, eqn]
+    origin.name = origin.name or first.name
+    return True
+
+
+def _produced_by(eqn: Any, var: Any, producers: dict, inputs_at: dict,
+                 origin: _Provenance) -> None:
     origin.scopes.extend(jp.scope_names(eqn))
     origin.eqn = eqn
     origin.primitive = eqn.primitive.name
     if eqn.primitive in jp.VIEWS:
-        origin.view_of_input = _viewed_input(eqn.invars[0], producers, inputs_at)
+        view = _view_of_input(var, producers, inputs_at)
+        origin.view_of_input = None if view is None else view[1]
     origin.zeros = _is_filler(eqn, producers)
 
 
-def _forwarded_operand(inner_origin: _Origin, operands):
+def _forwarded_operand(inner_origin: _Provenance, operands: Sequence[Any]) -> Any:
     """The outer operand a body returns unchanged, if it does."""
     if inner_origin.input_index is None:
         return None
     return operands[inner_origin.input_index]
 
 
-def _is_filler(eqn, producers) -> bool:
+def _is_filler(eqn: Any, producers: dict) -> bool:
     """A placeholder `cond` puts where another branch has a residual."""
     if eqn.primitive in jp.FILLERS:
         return True
@@ -343,19 +374,39 @@ def _is_filler(eqn, producers) -> bool:
     )
 
 
-def _viewed_input(var, producers, inputs_at) -> int | None:
-    # A slice or reshape of a value that stays alive (`ws[i]` of stacked weights)
-    # costs XLA nothing to keep; packing it would add a copy.
-    while not isinstance(var, jp.Literal):
-        if var in inputs_at:
-            return inputs_at[var]
-        if var not in producers or producers[var][0].primitive not in jp.VIEWS:
+def _view_of_input(var: Any, producers: dict, inputs_at: dict
+                   ) -> tuple[tuple[tuple[Any, int], ...], int] | None:
+    """`(chain, j)` when `var` is a view (a slice, a reshape) of input `j`, else `None`.
+
+    `chain` holds the (equation, output index) pairs that take it, from the input on.
+    A view of a value that stays alive (`ws[i]` of stacked weights) costs XLA
+    nothing to keep; packing it would add a copy.
+    """
+    chain = []
+    while not isinstance(var, jp.Literal) and var in producers:
+        eqn, k = producers[var]
+        if eqn.primitive not in jp.VIEWS:
             return None
-        var = producers[var][0].invars[0]
-    return None
+        chain.append((eqn, k))
+        var = eqn.invars[0]
+    if not chain or isinstance(var, jp.Literal) or var not in inputs_at:
+        return None
+    return tuple(reversed(chain)), inputs_at[var]
 
 
-def _inner_jaxprs(eqn, out_index: int):
+def _retakeable_view(var: Any, producers: dict, inputs_at: dict,
+                     kinds: Sequence[InputKind]) -> tuple[tuple[Any, ...], int] | None:
+    """The view `var` is of a kept-alive input, when the backward can take it again.
+
+    A `dynamic_slice` (which has index operands too) cannot: it is stored.
+    """
+    view = _view_of_input(var, producers, inputs_at)
+    if view is None or not kinds[view[1]].kept_alive:
+        return None
+    return view if all(len(eqn.invars) == 1 for eqn, _ in view[0]) else None
+
+
+def _inner_jaxprs(eqn: Any, out_index: int) -> list[tuple[jp.Jaxpr, list[Any], int, bool]]:
     """(jaxpr, operands, output index, is a scan body) for each body of a call-like eqn."""
     if eqn.primitive is jp.scan_p:
         # A forwarded loop-invariant operand or xs slice is (a stack of) the scan's
@@ -391,8 +442,8 @@ def value_describer(
     inputs_at = {v: i for i, v in enumerate(jaxpr.invars)}
 
     def describe(var, index: int) -> Residual:
-        origin = _Origin(scopes=list(scope_prefix), in_scan=in_scan)
-        _follow(var, producers, inputs_at, origin)
-        return _describe(index, var, origin, input_kinds)
+        origin = _Provenance(scopes=list(scope_prefix), in_scan=in_scan)
+        _trace_origin(var, producers, inputs_at, origin)
+        return _as_residual(index, var, origin, input_kinds)
 
     return describe

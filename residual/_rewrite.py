@@ -13,7 +13,7 @@ and name scopes.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -56,7 +56,7 @@ def interpret(
     return [read(v) for v in jaxpr.outvars]
 
 
-def contains_scan(eqn_or_jaxpr) -> bool:
+def contains_scan(eqn_or_jaxpr: Any) -> bool:
     """Whether a scan is reachable through the sub-jaxprs of an equation or jaxpr."""
     eqns = getattr(eqn_or_jaxpr, "eqns", None)
     if eqns is not None:
@@ -78,11 +78,12 @@ def has_markers(jaxpr: jp.Jaxpr) -> bool:
 
 
 def _region_policy(scopes: Sequence[str], base: Policy | None) -> Policy | None:
-    markers = [policy_of_marker(s) for s in scopes if is_marker(s)]
-    return resolve_entry(markers[-1]) if markers else base
+    region_policies = [policy_of_marker(s) for s in scopes if is_marker(s)]
+    return resolve_entry(region_policies[-1]) if region_policies else base
 
 
-def _scan(eqn, invals, base, scopes, iterations):
+def _scan(eqn: jp.JaxprEqn, invals: list[Any], base: Policy | None,
+          scopes: tuple[str, ...], iterations: int | None) -> list[Any]:
     scan = jp.scan_parts(eqn)
     body = scan.body
     n_consts, n_carry = scan.num_consts, scan.num_carry
@@ -112,12 +113,14 @@ def _scan(eqn, invals, base, scopes, iterations):
     return [*carry, *ys]
 
 
-def _inline_call(eqn, invals, base, scopes, iterations):
+def _inline_call(eqn: jp.JaxprEqn, invals: list[Any], base: Policy | None,
+                 scopes: tuple[str, ...], iterations: int | None) -> list[Any]:
     body = jp.call_body(eqn)
     return interpret(body.jaxpr, body.consts, invals, base, scopes, iterations)
 
 
-def _cond(eqn, invals, base, scopes, iterations):
+def _cond(eqn: jp.JaxprEqn, invals: list[Any], base: Policy | None,
+          scopes: tuple[str, ...], iterations: int | None) -> list[Any]:
     index, *operands = invals
     branches = [
         functools.partial(_run_branch, branch, base, scopes, iterations)
@@ -126,11 +129,13 @@ def _cond(eqn, invals, base, scopes, iterations):
     return lax.switch(index, branches, *operands)
 
 
-def _run_branch(branch: jp.ClosedJaxpr, base, scopes, iterations, *operands):
+def _run_branch(branch: jp.ClosedJaxpr, base: Policy | None, scopes: tuple[str, ...],
+                iterations: int | None, *operands: Any) -> list[Any]:
     return interpret(branch.jaxpr, branch.consts, operands, base, scopes, iterations)
 
 
-def _checkpoint(eqn, invals, base, scopes, iterations):
+def _checkpoint(eqn: jp.JaxprEqn, invals: list[Any], base: Policy | None,
+                scopes: tuple[str, ...], iterations: int | None) -> list[Any]:
     remat = jp.remat_parts(eqn)
     region = functools.partial(
         interpret, remat.body, (), base=base, scopes=scopes, iterations=iterations
@@ -141,7 +146,7 @@ def _checkpoint(eqn, invals, base, scopes, iterations):
     return wrapped(*invals)
 
 
-def _rule(primitive):
+def _rule(primitive: Any) -> Callable[..., list[Any]] | None:
     """How `interpret` rebuilds an equation of `primitive` that contains a scan."""
     if primitive is jp.scan_p:
         return _scan

@@ -54,7 +54,7 @@ class Chain(Policy):
                     f"`Chain` argument {i} must be a `residual.Policy`, but got "
                     f"{type(policy).__name__}: {policy!r}."
                 )
-            if getattr(policy, "recompute", False):
+            if policy.recompute:
                 raise TypeError(
                     f"`Chain` argument {i} is {policy!r}, which stores nothing and "
                     "recomputes the residual: there is no packed form to pass along the "
@@ -84,7 +84,7 @@ class Chain(Policy):
         first = self.policies[0].resolve(info)
         if first is not None:
             # A `select` stage may choose `Remat`: then nothing is stored to pass on.
-            return first if getattr(first, "recompute", False) else self
+            return first if first.recompute else self
         rest = self.policies[1:]
         return rest[0].resolve(info) if len(rest) == 1 else Chain(*rest).resolve(info)
 
@@ -124,7 +124,7 @@ def _apply(policy: Policy, level: int, array, info: ResidualInfo):
         return array
     array_info = dataclasses.replace(info, shape=tuple(array.shape), dtype=array.dtype)
     chosen = policy.resolve(array_info)
-    if getattr(chosen, "recompute", False):
+    if chosen is not None and chosen.recompute:
         raise TypeError(
             f"stage {level + 2} of a `Chain` chose {chosen!r} for a packed array of "
             f"{info.describe()}; a packed array cannot be recomputed. Choose `Remat` in "

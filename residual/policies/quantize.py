@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 
 from .._info import ResidualInfo
-from .._plans import in_device_memory
+from .._ordering import in_device_memory
 from .._policy import Policy, check_bool, check_int
 from ._defaults import worth_packing
 

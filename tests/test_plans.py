@@ -1,0 +1,46 @@
+"""Decisions: every residual gets one, and reports name it by the decision's own word."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+import residual
+from residual import policies as rp
+from tests.helpers import mlp_params, tree_allclose, tree_equal, unrolled_mlp
+
+
+@dataclasses.dataclass(frozen=True)
+class _RecomputeAll(residual.Policy):
+    """A user's own policy that stores nothing, declared by its `recompute` attribute."""
+
+    recompute = True
+    lossless = True
+
+
+def test_a_users_policy_with_recompute_set_is_recomputed_like_remat():
+    ws, x = mlp_params(3, 8, 4)
+    hooked = residual.with_hooks(unrolled_mlp, policy=_RecomputeAll())
+    assert tree_equal(jax.grad(hooked)(ws, x), jax.grad(residual.with_hooks(
+        unrolled_mlp, policy=rp.Remat()))(ws, x))
+    assert tree_allclose(jax.grad(hooked)(ws, x), jax.grad(unrolled_mlp)(ws, x))
+    report = residual.inspect(unrolled_mlp, ws, x, policy=_RecomputeAll(), compiled=False)
+    assert {row.how for row in report.rows} <= {"recomputed", "view", "kept"}
+    assert "recomputed" in {row.how for row in report.rows}
+
+
+def test_each_decision_reports_its_word():
+    # Per tanh layer: a weight slice (a view of `ws`), a matmul operand, a tanh output
+    # and its derivative (`1 - y`, or `1 - y**2` from jax 0.11 on); `x` is kept as it is.
+    ws, x = mlp_params(3, 8, 4)
+    words = {
+        rp.Identity(): {"kept"},
+        rp.Quantize(bits=8, min_bytes=0): {"kept", "packed", "derived", "view"},
+        rp.Remat(): {"kept", "recomputed", "view"},
+    }
+    for policy, expected in words.items():
+        report = residual.inspect(unrolled_mlp, ws, x, policy=policy, compiled=False)
+        hows = [row.how for row in report.rows]
+        assert set(hows) == expected, policy
+        assert hows.count("view") == (3 if "view" in expected else 0)
