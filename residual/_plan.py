@@ -434,16 +434,15 @@ def plan_sweep(
     planner = _Planner(loss, example_args, argnums, chosen, max_grad_error)
     targets = [None if r is None else int(r[1] * planner.plain) if r[0] == "fraction"
                else int(r[1]) for r in requested]
-    plans: list[Plan | None] = []
-    reasons: list[str | None] = []
-    for r in requested:
-        try:
-            plans.append(planner.run(r))
-            reasons.append(None)
-        except ValueError as e:
-            plans.append(None)
-            reasons.append(str(e))
+    plans: list[Plan | None] = [None] * len(budgets)
+    reasons: list[str | None] = [None] * len(budgets)
+    # Smallest first: what the tight budgets compile, the loose ones may reuse.
     order = sorted(range(len(budgets)), key=lambda i: -1 if targets[i] is None else targets[i])
+    for i in order:
+        try:
+            plans[i] = planner.run(requested[i])
+        except ValueError as e:
+            reasons[i] = str(e)
     feasible = [i for i in order if plans[i] is not None]
     # Smaller budgets never use more memory: the larger budget's plan fits them too.
     for i, j in reversed(list(itertools.pairwise(feasible))):
@@ -796,35 +795,39 @@ class _Planner:
     def _fit(self, target: int | None, error_cap: float) -> Plan:
         """The plan of least predicted time whose compiled memory fits `target`."""
         total = sum(g.nbytes for g in self.groups)
-        tried: list[Plan] = [self._choice_plan({})]
-        self._memory.setdefault(tried[0], self.plain)
+        keep_all = self._choice_plan({})
+        self._memory.setdefault(keep_all, self.plain)
         if target is None:
-            best = tried[0]
             candidate = self._choice_plan(self._solve(np.inf, error_cap, "bytes") or {})
-            if self.memory(candidate) < self.plain:
-                best = candidate
+            self.memory(candidate)
             # The fewest predicted bytes need not compile to the least memory (XLA's
             # liveness decides): a few rounds aiming below the best measured so far.
             for _ in range(2):
                 try:
-                    best = self._fit(int(0.9 * self.memory(best)), error_cap)
+                    self._fit(int(0.9 * self.memory(self._least(error_cap))), error_cap)
                 except ValueError:
                     break
-            return best
+            return self._least(error_cap)
         byte_cap = total - (self.plain - target)
+        fits: list[Plan] = []
         for _ in range(_ROUNDS):
             choice = self._solve(byte_cap, error_cap)
             if choice is None:
                 break
             candidate = self._choice_plan(choice)
             memory = self.memory(candidate)
-            tried.append(candidate)
             if memory <= target:
-                return candidate
+                fits.append(candidate)
+                if memory >= 0.95 * target or len(fits) > 1:
+                    break
+                # Well under the budget: one step back towards it, for a cheaper plan.
+                byte_cap += 0.5 * (target - memory)
+                continue
             byte_cap -= max(memory - target, 0.02 * self.plain)
-        least = self._choice_plan(self._solve(np.inf, error_cap, minimize="bytes") or {})
-        tried.append(least)
-        best = min(tried, key=self.memory)
+        if fits:
+            return min(fits, key=lambda p: p.predicted_seconds)
+        self.memory(self._choice_plan(self._solve(np.inf, error_cap, minimize="bytes") or {}))
+        best = self._least(error_cap)
         if self.memory(best) <= target:
             return best
         raise ValueError(
@@ -834,6 +837,13 @@ class _Planner:
             f"{_mib(self.memory(best))} ({self.memory(best) / self.plain:.2f}x). Raise "
             "`budget` to at least that, allow a larger `max_grad_error`, or more `actions`."
         )
+
+    def _least(self, error_cap: float) -> Plan:
+        """Of every plan compiled so far within `error_cap`, the one of least memory
+        (then least predicted time): never above plain, which keeps everything."""
+        within = [p for p in self._memory if p is not None
+                  and math.sqrt(sum(d.error**2 for d in p.decisions)) <= error_cap + 1e-12]
+        return min(within, key=lambda p: (self._memory[p], p.predicted_seconds))
 
     def _finish(self, result: Plan, target, memory=None, grad_error=None) -> Plan:
         memory = self.memory(result) if memory is None else memory
