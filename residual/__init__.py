@@ -8,6 +8,10 @@ from ._gradcheck import gradcheck as gradcheck
 from ._info import ResidualInfo as ResidualInfo
 from ._inspect import Report as Report
 from ._inspect import inspect as inspect
+from ._plan import Plan as Plan
+from ._plan import PlanSweep as PlanSweep
+from ._plan import plan as plan
+from ._plan import plan_sweep as plan_sweep
 from ._policy import Policy as Policy
 from ._scope import disable_saved_tensors_hooks as disable_saved_tensors_hooks
 from ._scope import saved_tensors_hooks as saved_tensors_hooks

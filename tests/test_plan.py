@@ -1,0 +1,274 @@
+"""`residual.plan`: budgets met on the compiled program, never above plain, plans as values."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import residual
+from residual._plan import Decision, Plan, _check_budget, _code_key
+from residual._record import recording
+from residual.policies import Identity
+
+from .helpers import mlp_params, relative_error, scan_mlp, temp_bytes, tree_equal, unrolled_mlp
+
+# Residuals of 32 KiB (batch 128 x width 64, float32): above the planner's 16 KiB floor
+# for what is worth packing, small enough to compile in a fraction of a second.
+WIDTH, BATCH = 64, 128
+
+
+def _grad(loss, policy=None):
+    fn = loss if policy is None else residual.with_hooks(loss, policy=policy)
+    return jax.jit(jax.grad(fn))
+
+
+@functools.cache
+def _scan_args(layers=6):
+    return mlp_params(layers, WIDTH, BATCH)
+
+
+@functools.cache
+def _scan_budget() -> float:
+    """Halfway between the least memory a plan reaches and plain's (how low a plan
+    goes depends on the JAX release's compiler)."""
+    least = residual.plan(scan_mlp, *_scan_args(), budget=None)
+    assert least.memory < least.plain_memory
+    return round(0.5 * (1 + least.memory / least.plain_memory), 3)
+
+
+@functools.cache
+def _scan_plan():
+    return residual.plan(scan_mlp, *_scan_args(), budget=_scan_budget())
+
+
+def test_budget_is_met_on_the_compiled_program():
+    args = _scan_args()
+    p = _scan_plan()
+    plain = temp_bytes(jax.grad(scan_mlp), *args)
+    hooked = temp_bytes(jax.grad(residual.with_hooks(scan_mlp, policy=p)), *args)
+    assert p.plain_memory == plain
+    assert p.memory == hooked
+    assert hooked <= _scan_budget() * plain
+    assert any(d.action != "keep" for d in p.decisions)
+    assert p.budget == int(_scan_budget() * plain)
+    assert p.compiles >= 2 and p.planning_seconds > 0
+
+
+def test_budget_in_bytes_and_as_a_size_string():
+    assert _check_budget("6 GiB") == ("bytes", 6 * 2**30)
+    assert _check_budget("512MiB") == ("bytes", 512 * 2**20)
+    assert _check_budget("1.5 kb") == ("bytes", 1500)
+    assert _check_budget(4096) == ("bytes", 4096)
+    assert _check_budget(0.5) == ("fraction", 0.5)
+    assert _check_budget(None) is None
+
+
+def test_scan_layers_are_one_decision():
+    p = _scan_plan()
+    in_scan = [d for d in p.decisions if d.in_scan]
+    assert in_scan and all(d.iterations == 6 for d in in_scan)
+    # One decision per residual of the body, not one per iteration.
+    assert len({(d.code_key, d.index) for d in in_scan}) == len(in_scan)
+
+
+def test_gradient_within_the_bound_and_reported():
+    args = _scan_args()
+    p = _scan_plan()
+    got = _grad(scan_mlp, p)(*args)
+    want = _grad(scan_mlp)(*args)
+    error = relative_error(got, want)
+    assert p.grad_error is not None and error <= p.max_grad_error == 1e-2
+    assert abs(error - p.grad_error) <= 1e-6 + 1e-3 * p.grad_error
+
+
+def test_lossless_actions_give_plain_gradients():
+    # A zero error bound allows lossless actions only: keep and recompute here.
+    args = mlp_params(4, WIDTH, BATCH)
+    p = residual.plan(unrolled_mlp, *args, budget=None, max_grad_error=0)
+    assert p.lossless and p.grad_error is not None
+    assert all(d.action in ("keep", "remat") for d in p.decisions)
+    assert p.memory <= p.plain_memory
+    got = _grad(unrolled_mlp, p)(*args)
+    want = _grad(unrolled_mlp)(*args)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_never_above_plain_where_packing_loses():
+    # One layer: the activations are few, and a packed copy next to XLA's buffers
+    # takes more than it saves; the plan keeps everything.
+    def one_layer(w, x):
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    w, x = mlp_params(1, WIDTH, BATCH)
+    w = w[0]
+    p = residual.plan(one_layer, w, x, budget=None)
+    assert p.memory <= p.plain_memory == temp_bytes(jax.grad(one_layer), w, x)
+    assert temp_bytes(jax.grad(residual.with_hooks(one_layer, policy=p)), w, x) <= p.memory
+    if all(d.action == "keep" for d in p.decisions):
+        assert tree_equal(_grad(one_layer, p)(w, x), _grad(one_layer)(w, x))
+
+
+def test_budget_at_or_above_plain_keeps_everything():
+    args = _scan_args()
+    p = residual.plan(scan_mlp, *args, budget=1.0)
+    assert all(d.action == "keep" for d in p.decisions)
+    assert p.memory == p.plain_memory and p.grad_error == 0
+    assert tree_equal(_grad(scan_mlp, p)(*args), _grad(scan_mlp)(*args))
+
+
+def test_infeasible_budget_names_the_least_memory_reached():
+    with pytest.raises(ValueError, match=r"least compiled memory reached .* is [\d.]+ KiB"):
+        residual.plan(scan_mlp, *_scan_args(), budget=0.01)
+
+
+BUDGETS = (0.3, 0.6, 0.8, 0.9, 1.0, None)
+
+
+@functools.cache
+def _sweep():
+    return residual.plan_sweep(scan_mlp, *mlp_params(4, WIDTH, BATCH), budgets=BUDGETS)
+
+
+def test_sweep_is_monotone():
+    budgets = BUDGETS
+    sweep = _sweep()
+    assert len(sweep.plans) == len(budgets)
+    feasible = [(b, p) for b, p in zip(budgets, sweep.plans) if p is not None and b is not None]
+    assert len(feasible) >= 3
+    for (b1, p1), (b2, p2) in itertools.pairwise(feasible):
+        assert b1 < b2
+        assert p1.memory <= p2.memory
+        assert p1.predicted_seconds >= p2.predicted_seconds
+    for b, p in feasible:
+        assert p.memory <= b * sweep.plain_memory
+    least = sweep.plans[-1]
+    assert least.memory <= min(p.memory for _, p in feasible)
+    for reason, p in zip(sweep.reasons, sweep.plans):
+        assert (reason is None) == (p is not None)
+    assert "budget" in str(sweep)
+
+
+def test_sweep_plot():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = _sweep().plot()
+    assert fig.axes[0].get_xlabel().startswith("compiled memory")
+    matplotlib.pyplot.close(fig)
+
+
+def test_plan_round_trips_through_json_and_repr():
+    args = _scan_args()
+    p = _scan_plan()
+    loaded = Plan.from_json(p.to_json())
+    assert loaded == p and hash(loaded) == hash(p)
+    assert loaded.memory == p.memory and loaded.grad_error == p.grad_error
+    assert eval(repr(p), {"Plan": Plan, "Decision": Decision}) == p
+    assert tree_equal(_grad(scan_mlp, loaded)(*args), _grad(scan_mlp, p)(*args))
+    assert json.loads(p.to_json())["format"] == "residual.Plan"
+
+
+def test_plan_is_a_policy_anywhere_a_policy_goes():
+    args = _scan_args()
+    p = _scan_plan()
+    assert isinstance(p, residual.Policy)
+    hooked = residual.with_hooks(scan_mlp)
+    with residual.saved_tensors_hooks(policy=p):
+        in_scope = jax.grad(hooked)(*args)
+    assert tree_equal(in_scope, _grad(scan_mlp, p)(*args))
+
+
+def test_plan_matches_every_residual_of_a_fresh_trace():
+    args = mlp_params(4, WIDTH, BATCH)
+    p = residual.plan(unrolled_mlp, *args, budget=1.0)
+
+    def step(ws, x):  # another call site, another jit: a fresh trace
+        return jax.jit(jax.grad(residual.with_hooks(unrolled_mlp, policy=Identity())))(ws, x)
+
+    with recording() as records:
+        step(*args)
+    seen = {(_code_key(r.info), r.info.index) for r in records}
+    for d in p.decisions:
+        assert (d.code_key, d.index) in seen
+        info = next(r.info for r in records
+                    if (_code_key(r.info), r.info.index) == (d.code_key, d.index))
+        assert p.action_for(info) == d.action
+    # Unrolled layers share their code and differ by occurrence.
+    assert max(d.occurrence for d in p.decisions) == 3
+
+
+def test_unknown_residuals_are_kept():
+    info = residual.ResidualInfo(index=0, shape=(4, 4), dtype=np.dtype("float32"),
+                                 primitive="exp")
+    assert Plan().resolve(info) is None
+    assert Plan().action_for(info) == "keep"
+
+
+def test_offload_decisions_give_plain_gradients():
+    # Host memory is the device's own on CPU, so the planner never offers offloading
+    # there; a plan that names it still computes plain gradients.
+    args = _scan_args()
+    decisions = tuple(dataclasses.replace(d, action="offload") for d in _scan_plan().decisions)
+    offloaded = Plan(decisions)
+    np.testing.assert_allclose(_grad(scan_mlp, offloaded)(*args), _grad(scan_mlp)(*args),
+                               rtol=1e-6)
+
+
+def test_shapes_only_use_nominal_errors():
+    ws, x = mlp_params(4, WIDTH, BATCH)
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (ws, x)]
+    p = residual.plan(scan_mlp, *shapes, budget=None)
+    assert p.grad_error is None and p.memory <= p.plain_memory
+    assert p.predicted_step_overhead is None
+    assert "residual groups" in str(p) and "<pre>" in p._repr_html_()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"budget": 1.5}, ValueError, r"fraction of plain .* in \(0, 1\], but got 1.5"),
+        ({"budget": 0}, ValueError, r"`budget` in bytes must be positive, but got 0"),
+        ({"budget": "lots"}, ValueError, r"size such as '6 GiB' .* but got 'lots'"),
+        ({"budget": True}, TypeError, r"`budget` must be .* but got True"),
+        ({"budget": [0.5]}, TypeError, r"`budget` must be .* but got list"),
+        ({"max_grad_error": -1.0}, ValueError, r"`max_grad_error` must be a finite number"),
+        ({"max_grad_error": "1%"}, TypeError, r"`max_grad_error` must be a number"),
+        ({"actions": "int8"}, TypeError, r"`actions=\['int8'\]`"),
+        ({"actions": ["zip"]}, ValueError, r"actions from .* but got 'zip'"),
+    ],
+)
+def test_bad_arguments_raise_early(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        residual.plan(scan_mlp, jnp.ones((2, 4, 4)), jnp.ones((2, 4)), **kwargs)
+
+
+def test_bad_loss_and_missing_arguments():
+    with pytest.raises(TypeError, match=r"`loss` must be a function"):
+        residual.plan(jnp.ones(3), jnp.ones(3))
+    with pytest.raises(TypeError, match=r"needs example arguments"):
+        residual.plan(scan_mlp)
+    with pytest.raises(TypeError, match=r"`budgets` must be a non-empty list"):
+        residual.plan_sweep(scan_mlp, jnp.ones((2, 4, 4)), jnp.ones((2, 4)), budgets=0.5)
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="CPU has no separate host")
+def test_offload_is_unavailable_on_cpu():
+    with pytest.raises(ValueError, match=r"includes 'offload'.*unavailable on this backend"):
+        residual.plan(scan_mlp, jnp.ones((2, 4, 4)), jnp.ones((2, 4)), actions=["offload"])
+
+
+def test_bad_json_and_decisions():
+    with pytest.raises(ValueError, match=r"expects the text `Plan.to_json\(\)` wrote"):
+        Plan.from_json("{}")
+    with pytest.raises(ValueError, match=r"expects the text .* but got 'not json'"):
+        Plan.from_json("not json")
+    with pytest.raises(TypeError, match=r"`decisions` must be a tuple of `Decision`s"):
+        Plan([])
