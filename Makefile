@@ -12,6 +12,9 @@ JAX_VENVS := .venv-jax011 .venv-jax012
 jax_version.venv-jax011 := 0.11.2
 jax_version.venv-jax012 := 0.12.0.1
 DEMO_STAMP := $(VENV)/.installed-demo
+# pytest-xdist workers for the tests: one per core; `0` runs them in pytest's own process
+# (as `make -j2 test-jax` does in CI, where the two suites already share the cores).
+PYTEST_WORKERS ?= auto
 
 .PHONY: demo test suite test-jax lint docs bench clean
 
@@ -49,7 +52,7 @@ test: suite
 define suite
 	@$(1)/bin/python -c "import jax, sys; print(f'== jax {jax.__version__}, Python {sys.version.split()[0]}')"
 	$(1)/bin/python -m ruff check residual tests benchmarks
-	$(1)/bin/python -m pytest residual tests docs
+	$(1)/bin/python -m pytest -n $(PYTEST_WORKERS) --durations=15 residual tests docs
 	$(1)/bin/python -m pytest tests/multidevice
 	$(1)/bin/python -m pytest --nbmake notebooks
 endef

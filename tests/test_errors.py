@@ -102,7 +102,7 @@ def _both_modes(f):
         (lambda: rp.Offload("gpu_memory"), ValueError,
          r"`memory_kind` must be a host memory.*\['device', 'pinned_host', 'unpinned_host'\]"),
         (lambda: rp.Offload(1), TypeError, r"`memory_kind` must be a string.*got int: 1"),
-        # Field types, each named: these used to fail only inside a trace.
+        # Field types, each named, at construction rather than inside a trace.
         (lambda: rp.Quantize(bits=4.0), TypeError,
          r"`bits` must be an int, but got float: 4\.0\. Pass `Quantize` a whole number"),
         (lambda: rp.Quantize(bits=True), TypeError, r"`bits` must be an int, but got bool"),
