@@ -20,7 +20,7 @@ from . import _jax_private as jp
 from ._info import dtype_name
 from ._policy import Policy
 from ._record import Record, recording
-from ._residuals import _producers, _Provenance, _trace_origin
+from ._residuals import _OWN_FILES, _producers, _Provenance, _trace_origin, is_own_file
 from ._transform import with_hooks
 
 
@@ -474,17 +474,15 @@ def _user_source(record: Record) -> str | None:
     return info.source
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_DEMO = os.path.join(_PACKAGE, "_demo.py")  # plays the user's part in `python -m residual demo`
 _LIBRARIES = tuple(
     os.path.join(sysconfig.get_paths()[key], "") for key in ("stdlib", "purelib", "platlib")
 )
 
 
 def _is_library(file_name: str) -> bool:
-    if file_name == _DEMO:
-        return False
-    return (file_name.startswith((_PACKAGE, *_LIBRARIES))
+    if file_name.startswith(_OWN_FILES):
+        return is_own_file(file_name)
+    return (file_name.startswith(_LIBRARIES)
             or f"{os.sep}site-packages{os.sep}" in file_name
             or f"{os.sep}dist-packages{os.sep}" in file_name)
 

@@ -249,7 +249,12 @@ class _DerivativeRules:
 
 
 _OWN_FILES = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_DEMO = os.path.join(_OWN_FILES, "_demo.py")  # plays the user's part in the demo
+_DEMO = os.path.join(_OWN_FILES, "_demo.py")  # plays the user's part in `python -m residual demo`
+
+
+def is_own_file(file_name: str) -> bool:
+    """Whether `file_name` is this library's code (the demo, which plays the user, is not)."""
+    return file_name != _DEMO and file_name.startswith(_OWN_FILES)
 
 
 def _frames(origin: _Provenance) -> tuple[str, ...]:
@@ -258,7 +263,7 @@ def _frames(origin: _Provenance) -> tuple[str, ...]:
     labels = (
         jp.frame_label(*frame)
         for e in (origin.eqn, *origin.enclosing) for frame in jp.source_frames(e)
-        if frame[0] == _DEMO or not frame[0].startswith(_OWN_FILES)
+        if not is_own_file(frame[0])
     )
     return tuple(dict.fromkeys(labels))
 
