@@ -407,6 +407,13 @@ class Pack(Decision):
 
     def store(self, stores: Stores, residual: Residual, value: Any) -> Any:
         info = residual.info
+        if not stores.in_scan:
+            # Materialized once, through a conditional, before `pack` reads it: the
+            # value's producer (a cheap elementwise fusion: a batch norm's `x - mean`)
+            # would otherwise be computed twice by XLA, into the operand of a `cond`
+            # in `pack` (Quantize's, reshaped into groups) and into the operand of the
+            # one below, two floats of the residual's size alive at once.
+            value = ordered([value, value], value, forward=True)[0]
         packed = call_hook("pack", self.policy.pack, value, info)
         leaves, treedef = jax.tree.flatten(packed)
         positions, leaf_indices, unchanged = [], [], set()
