@@ -27,6 +27,7 @@ from ._ordering import ordered
 from ._policy import FunctionHooks, Policy
 from ._residuals import OWNED_NAME, Analysis, InputKind, Residual, value_describer
 from ._scope import resolve_entry
+from .policies.quantize import Quantize
 
 
 def decide(
@@ -407,12 +408,13 @@ class Pack(Decision):
 
     def store(self, stores: Stores, residual: Residual, value: Any) -> Any:
         info = residual.info
-        if not stores.in_scan:
-            # Materialized once, through a conditional, before `pack` reads it: the
-            # value's producer (a cheap elementwise fusion: a batch norm's `x - mean`)
-            # would otherwise be computed twice by XLA, into the operand of a `cond`
-            # in `pack` (Quantize's, reshaped into groups) and into the operand of the
-            # one below, two floats of the residual's size alive at once.
+        if not stores.in_scan and isinstance(self.policy, Quantize):
+            # Materialized once, through a conditional, before `pack` reads it:
+            # Quantize's pack reads it inside a `cond` of its own, reshaped into
+            # groups, and XLA computed a cheap producer (a batch norm's `x - mean`)
+            # twice, into that operand and into the operand of the `cond` below: two
+            # floats of the residual's size alive at once. (A `Cast` fuses its
+            # producer and gains nothing: it measured a little worse.)
             value = ordered([value, value], value, forward=True)[0]
         packed = call_hook("pack", self.policy.pack, value, info)
         leaves, treedef = jax.tree.flatten(packed)
