@@ -152,6 +152,10 @@ def _run_backward(restores: Restores, cts: list, *, ordered: bool) -> list:
     a copy back from host) early, so all float residuals would be live at once; tied
     to the values the backward has computed by then, each one is restored late.
     Unless `ordered`, there is no such tie (`None`): restored where first used.
+    A value the backward computes from constants alone (the zeros that a `select`'s
+    transpose fills in) is no tie: XLA folds the conditional's predicate and removes
+    it, and with it the order (a ReLU mask was then recomputed in the backward from
+    the float it was computed from, keeping that float alive instead).
     """
     backward = restores.handoff.backward
     n_res = len(restores.handoff.decisions)
@@ -168,10 +172,14 @@ def _run_backward(restores: Restores, cts: list, *, ordered: bool) -> list:
             env[v] = restores.residual(lazy[v], tie)
         return env[v]
 
+    constant = set(jaxpr.constvars)
     for eqn in jaxpr.eqns:
-        known = [env[v] for v in eqn.invars if not isinstance(v, jp.Literal) and v in env]
+        known = [env[v] for v in eqn.invars
+                 if not isinstance(v, jp.Literal) and v in env and v not in constant]
         tie = next((x for x in known if x.size and jnp.issubdtype(x.dtype, jnp.inexact)),
                    None) if ordered else None
         outs = jp.bind_equation(eqn, [read(v, tie) for v in eqn.invars])
         env.update(zip(eqn.outvars, outs))
+        if all(isinstance(v, jp.Literal) or v in constant for v in eqn.invars):
+            constant.update(eqn.outvars)
     return [read(v, None) for v in jaxpr.outvars]

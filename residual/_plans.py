@@ -27,6 +27,7 @@ from ._ordering import ordered
 from ._policy import FunctionHooks, Policy
 from ._residuals import OWNED_NAME, Analysis, InputKind, Residual, value_describer
 from ._scope import resolve_entry
+from .policies.quantize import Quantize
 
 
 def decide(
@@ -47,6 +48,7 @@ def decide(
     residuals = analysis.residuals
     policies = [None if r.owned_by_inner else policy_for(r, base) for r in residuals]
     derived = set() if higher_order else _derivable(residuals, policies)
+    constants = {} if higher_order else _constants(analysis, policies)
     # Once anything is packed the program is no longer JAX's own: views of
     # kept-alive inputs (`ws[i]`) are then re-taken in the backward, not stored, and
     # what is stored as it is gets read after the backward's own values.
@@ -54,6 +56,8 @@ def decide(
         p is not None for p, r in zip(policies, residuals) if not r.owned_by_inner
     )
     decisions = [
+        Derive(policy=p, eqn=constants[r.info.index][0], operands=constants[r.info.index][1])
+        if r.info.index in constants else
         _decide_one(r, p, derived=r.info.index in derived, acting=acting,
                     higher_order=higher_order)
         for r, p in zip(residuals, policies)
@@ -131,6 +135,39 @@ def _derivable(residuals: Sequence[Residual], policies: Sequence[Policy | None])
                                            and not recomputes(policies[o]))
                for o in residuals[i].derivation[1])
     }
+
+
+def _constants(analysis: Analysis, policies: Sequence[Policy | None]
+               ) -> dict[int, tuple[Any, tuple[_Constant, ...]]]:
+    """Residuals computed from literals alone (the zeros `relu`'s derivative saves), by
+    index: the equation and its operands, to compute them again in the backward.
+
+    Packed, such a residual is a full-size float the forward materializes (XLA keeps
+    the broadcast of a constant alive from the start of the program) only to store a
+    packed copy of a constant; without hooks, XLA fuses it into its use. Only for
+    residuals a lossy policy would pack, as for `_derivable`.
+    """
+    jaxpr = analysis.closed.jaxpr
+    residual_vars = jaxpr.outvars[analysis.num_outputs:]
+    wanted = {
+        var: r.info.index for var, r, p in zip(residual_vars, analysis.residuals, policies)
+        if p is not None and not p.lossless and not isinstance(p, FunctionHooks)
+        and not p.recompute and not isinstance(var, jp.Literal)
+    }
+    constants = {}
+    for eqn in jaxpr.eqns:
+        if (len(eqn.outvars) == 1 and eqn.outvars[0] in wanted and not jp.sub_jaxprs(eqn)
+                and all(isinstance(v, jp.Literal) for v in eqn.invars)):
+            constants[wanted[eqn.outvars[0]]] = (
+                eqn, tuple(_Constant(v.val) for v in eqn.invars))
+    return constants
+
+
+@dataclasses.dataclass(frozen=True)
+class _Constant:
+    """A literal operand of an equation `Derive` binds again."""
+
+    value: Any
 
 
 class Storage:
@@ -371,6 +408,14 @@ class Pack(Decision):
 
     def store(self, stores: Stores, residual: Residual, value: Any) -> Any:
         info = residual.info
+        if not stores.in_scan and isinstance(self.policy, Quantize):
+            # Materialized once, through a conditional, before `pack` reads it:
+            # Quantize's pack reads it inside a `cond` of its own, reshaped into
+            # groups, and XLA computed a cheap producer (a batch norm's `x - mean`)
+            # twice, into that operand and into the operand of the `cond` below: two
+            # floats of the residual's size alive at once. (A `Cast` fuses its
+            # producer and gains nothing: it measured a little worse.)
+            value = ordered([value, value], value, forward=True)[0]
         packed = call_hook("pack", self.policy.pack, value, info)
         leaves, treedef = jax.tree.flatten(packed)
         positions, leaf_indices, unchanged = [], [], set()

@@ -8,7 +8,7 @@ import jax
 
 import residual
 from residual import policies as rp
-from tests.helpers import mlp_params, tree_allclose, tree_equal, unrolled_mlp
+from tests.helpers import mlp_params, relative_error, tree_allclose, tree_equal, unrolled_mlp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,3 +44,25 @@ def test_each_decision_reports_its_word():
         hows = [row.how for row in report.rows]
         assert set(hows) == expected, policy
         assert hows.count("view") == (3 if "view" in expected else 0)
+
+
+def test_constants_a_derivative_saves_are_derived_not_packed():
+    # relu's derivative saves full-size zeros built from a literal: packing them would
+    # quantize a constant and report it as stored.
+    ws, x = mlp_params(2, 64, 64)
+
+    def relu_mlp(ws, x):
+        for w in ws:
+            x = jax.nn.relu(x @ w)
+        return (x**2).sum()
+
+    policy = rp.Quantize(bits=8, min_bytes=0)
+    report = residual.inspect(relu_mlp, ws, x, policy=policy, compiled=False)
+    zeros = [row for row in report.rows if row.primitive == "broadcast_in_dim"]
+    assert len(zeros) == 2
+    assert all(row.how == "derived" and row.stored_bytes == 0 for row in zeros)
+    identity = residual.inspect(relu_mlp, ws, x, policy=rp.Identity(), compiled=False)
+    assert [row.how for row in identity.rows if row.primitive == "broadcast_in_dim"] == [
+        "kept", "kept"]
+    hooked = jax.grad(residual.with_hooks(relu_mlp, policy=policy))(ws, x)
+    assert relative_error(hooked, jax.grad(relu_mlp)(ws, x)) < 1e-2
