@@ -27,7 +27,6 @@ from ._ordering import ordered
 from ._policy import FunctionHooks, Policy
 from ._residuals import OWNED_NAME, Analysis, InputKind, Residual, value_describer
 from ._scope import resolve_entry
-from .policies.quantize import Quantize
 
 
 def decide(
@@ -408,13 +407,11 @@ class Pack(Decision):
 
     def store(self, stores: Stores, residual: Residual, value: Any) -> Any:
         info = residual.info
-        if not stores.in_scan and isinstance(self.policy, Quantize):
-            # Materialized once, through a conditional, before `pack` reads it:
-            # Quantize's pack reads it inside a `cond` of its own, reshaped into
-            # groups, and XLA computed a cheap producer (a batch norm's `x - mean`)
-            # twice, into that operand and into the operand of the `cond` below: two
-            # floats of the residual's size alive at once. (A `Cast` fuses its
-            # producer and gains nothing: it measured a little worse.)
+        if not stores.in_scan and self.policy.reads_twice:
+            # Materialized once, through a conditional, before `pack` reads it: else
+            # XLA computes a cheap producer (a batch norm's `x - mean`) twice, into
+            # pack's own `cond` and into the one below, two floats alive at once. (A
+            # `Cast` fuses its producer and gains nothing: it measured a little worse.)
             value = ordered([value, value], value, forward=True)[0]
         packed = call_hook("pack", self.policy.pack, value, info)
         leaves, treedef = jax.tree.flatten(packed)

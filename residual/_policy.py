@@ -31,6 +31,10 @@ class Policy:
         lossless: whether `unpack(pack(x))` always equals `x` bit for bit.
         recompute: whether the policy stores nothing and has the backward recompute
             the residual (`Remat`): `pack` and `unpack` are then never called.
+        reads_twice: whether `pack` reads its input more than once, across control
+            flow of its own (`Quantize`'s `cond`): the input is then computed once
+            before `pack`, or XLA may recompute a cheap producer into each read and
+            keep two copies alive.
 
     Examples:
         >>> import dataclasses, jax.numpy as jnp, residual
@@ -45,6 +49,7 @@ class Policy:
 
     lossless: bool = False
     recompute: bool = False
+    reads_twice: bool = False
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement `pack(x, info)`.")

@@ -97,6 +97,9 @@ class Quantize(Policy):
         Training for Generic Network Architectures", ICML 2022.
     """
 
+    # `pack` reads its input in a `lax.cond` (the NaN-safe branch) and outside it.
+    reads_twice = True
+
     bits: int = 8
     format: str = "int"
     group_size: int = 64
