@@ -120,6 +120,10 @@ class Plan(Policy):
 
     Attributes:
         decisions: one `Decision` per residual group.
+        recompute_scans: whether the values of a scan body that the plan does not list
+            are recomputed (as `Remat` on the body would: recomputing its residuals
+            from the body's inputs) instead of stored: those too small to plan, and
+            the values the engine would otherwise store to recompute from.
         memory: XLA's temp memory of the compiled `jit(grad)` under the plan, in bytes.
         plain_memory: the same for plain `jax.grad`.
         budget: the budget asked for, in bytes (`None`: the least memory).
@@ -134,6 +138,7 @@ class Plan(Policy):
     """
 
     decisions: tuple[Decision, ...] = ()
+    recompute_scans: bool = False
     memory: int | None = dataclasses.field(default=None, compare=False)
     plain_memory: int | None = dataclasses.field(default=None, compare=False)
     budget: int | None = dataclasses.field(default=None, compare=False)
@@ -189,7 +194,9 @@ class Plan(Policy):
             if d.index == info.index:
                 return d.action
         actions = {d.action for d in candidates}
-        return actions.pop() if len(actions) == 1 else "keep"
+        if len(actions) == 1:
+            return actions.pop()
+        return "remat" if self.recompute_scans and info.in_scan else "keep"
 
     def resolve(self, info: ResidualInfo) -> Policy | None:
         policy = _policy(self.action_for(info))
@@ -267,6 +274,8 @@ class Plan(Policy):
         lines = [f"{len(self.decisions)} residual groups: {_mib(before)} stored plainly, "
                  f"{_mib(after)} under the plan (predicted)"]
         overhead = self.predicted_step_overhead
+        if self.recompute_scans:
+            lines.append("values of scan bodies not listed: recomputed, as `Remat` on the body")
         lines.append(f"predicted cost: {1e3 * self.predicted_seconds:.3f} ms per step"
                      + (f" ({100 * overhead:.1f}% of a plain step)" if overhead is not None
                         else ""))
@@ -928,6 +937,9 @@ class _Planner:
         scales: list[float] = []
         plans = [self._choice_plan({g.key: a for g in self.groups if a in g.options})
                  for a in self.actions if a != "keep"]
+        in_scan = {g.key: "remat" for g in self.groups if g.info.in_scan and "remat" in g.options}
+        if in_scan:  # what `Remat` on every scan body does
+            plans.append(self._choice_plan(in_scan, recompute_scans=True))
         for plan in sorted(plans, key=_plan_error):
             predicted = _plan_error(plan)
             if plan in self._memory or (scales and predicted * min(scales) > error_cap):
@@ -962,12 +974,13 @@ class _Planner:
             if best is None or (self._memory[best] >= 0.95 * target and 2 * tries >= _ROUNDS):
                 return
             choice = {(d.code_key, d.index): d.action for d in best.decisions}
+            extra = {"recompute_scans": best.recompute_scans}
             moves = sorted(
                 ((g.options[choice[g.key]][1] - o[1], g.key, a) for g in self.groups
                  for a, o in g.options.items() if o[1] < g.options[choice[g.key]][1]),
                 key=lambda m: -m[0])
             for _saving, key, action in moves:
-                candidate = self._choice_plan({**choice, key: action})
+                candidate = self._choice_plan({**choice, key: action}, **extra)
                 if candidate in self._memory or self._error(candidate) > error_cap:
                     continue
                 self.memory(candidate)

@@ -130,6 +130,21 @@ def test_least_memory_is_no_more_than_any_single_policy_within_the_bound():
             assert least.memory <= memory, policy
 
 
+def test_recomputing_scan_bodies_reaches_what_remat_on_the_body_does():
+    # Recomputing the residuals one by one stores the values they are recomputed from;
+    # `Remat` on the whole body recomputes them from its inputs. A lossless plan must
+    # reach that.
+    from residual.policies import Remat, select, where
+
+    args = _scan_args()
+    p = residual.plan(scan_mlp, *args, budget=None, max_grad_error=0)
+    body = select([(where(in_scan=True), Remat())])
+    assert p.memory <= temp_bytes(jax.grad(residual.with_hooks(scan_mlp, policy=body)), *args)
+    assert tree_equal(_grad(scan_mlp, p)(*args), _grad(scan_mlp)(*args)) or (
+        relative_error(_grad(scan_mlp, p)(*args), _grad(scan_mlp)(*args)) < 1e-6)
+    assert Plan.from_json(p.to_json()) == p
+
+
 def test_round_trip_errors_see_through_xla_folding_casts():
     # XLA folds a cast to bfloat16 and straight back (excess precision): measured that
     # way, a bf16 round trip would look exact, and the error bound would mean nothing.
