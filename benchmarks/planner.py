@@ -1,70 +1,232 @@
-"""`residual.plan` on the benchmark models: budgets asked vs compiled memory reached.
+"""`residual.plan` on the benchmark models: budgets asked vs reached, step time, error.
 
-For each model and budget (a fraction of plain `jax.grad`'s temp memory, or the least
-memory): the compiled `jit(grad)` temp memory the plan reaches, as a ratio to plain
-(compile-only, `memory_analysis()`), its gradient error against plain `jax.grad` on
-the example batch, the predicted step overhead, and the compiles and seconds the
-planning took. Budgets share one planner per model (`residual.plan_sweep`).
+For each model, one planner (`residual.plan_sweep`) plans:
 
-    python benchmarks/planner.py            # full sizes
-    python benchmarks/planner.py --small    # a quick run
+- the budgets 0.25, 0.5, 0.75 of plain `jax.grad`'s temp memory and the least memory;
+- a 10-point sweep (0.1 to 1.0), which must be monotone: a smaller budget never gets
+  a larger compiled memory nor a smaller predicted cost;
+- the compiled memory of each single policy of `benchmarks/speed.py` chosen by hand
+  (bytes), to compare the plan with that policy at equal or lower memory.
+
+Every plan is compiled (`memory_analysis()` temp memory, ratio to plain); its step time
+is measured against plain `jit(grad)` in pairs, alternating, as in `speed.py`; its
+gradient is compared with plain `jax.grad` on the example batch. `--exhaustive` also
+compiles every combination of actions on the models with few residual groups and
+compares the plan's predicted cost with the cheapest combination that fits.
+
+    python benchmarks/planner.py                 # full sizes, with the transformer
+    python benchmarks/planner.py --small         # a quick run
+    python benchmarks/planner.py --small --exhaustive
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
+import statistics
 import sys
+import time
+import warnings
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _models as models
+import speed
 
 import residual
+from residual import _plan  # the planner's internals, for the exhaustive enumeration
 
 BUDGETS = (0.25, 0.5, 0.75, None)
+SWEEP = tuple(round(0.1 * i, 1) for i in range(1, 11))
+HAND_PICKED = {k: v for k, v in speed.POLICIES.items() if "stochastic" not in k}
+MAX_GRAD_ERROR = 1e-2
 
 
-def measure(name: str, loss, args) -> list[str]:
-    sweep = residual.plan_sweep(loss, *args, budgets=BUDGETS)
-    print(f"\n{name}: plain jit(grad) temp {sweep.plain_memory / 2**20:.2f} MiB; planned in "
-          f"{sweep.planning_seconds:.1f} s, {sweep.compiles} compiles")
-    print(f"  {'asked':>6s} {'reached':>8s} {'grad error':>11s} {'overhead':>9s}  actions")
+class Steps:
+    """Compiled steps and their paired step-time ratios to plain, measured once each."""
+
+    def __init__(self, loss, args, pairs):
+        self.loss, self.args, self.pairs = loss, args, pairs
+        self.plain = speed.compiled_step(loss, args)
+        self._ratios: dict = {}
+
+    def ratio(self, policy) -> float:
+        if policy not in self._ratios:
+            step = speed.compiled_step(residual.with_hooks(self.loss, policy=policy), self.args)
+            ratios, _, _ = speed.paired_ratios(step, self.plain, self.args, self.pairs)
+            self._ratios[policy] = statistics.median(ratios)
+        return self._ratios[policy]
+
+
+def relative_error(loss, policy, args) -> float:
+    want = jax.jit(jax.grad(loss))(*args)
+    got = jax.jit(jax.grad(residual.with_hooks(loss, policy=policy)))(*args)
+    diff = sum(float(jnp.sum((a - b).astype(jnp.float32) ** 2))
+               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    norm = sum(float(jnp.sum(b.astype(jnp.float32) ** 2)) for b in jax.tree.leaves(want))
+    return math.sqrt(diff / norm)
+
+
+def measure(name: str, loss, args, pairs: int, exhaustive: bool) -> list[str]:
+    steps = Steps(loss, args, pairs)
+    plain = jax.jit(jax.grad(loss)).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    hand = {}
+    for label, policy in HAND_PICKED.items():
+        fn = residual.with_hooks(loss, policy=policy)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            memory = jax.jit(jax.grad(fn)).lower(*args).compile().memory_analysis()
+        if not any("matched none" in str(w.message) for w in caught):  # no scan to act on
+            hand[label] = (policy, memory.temp_size_in_bytes)
+    budgets = (*BUDGETS, *SWEEP, *(m for _, m in hand.values() if m < plain))
+    sweep = residual.plan_sweep(loss, *args, budgets=budgets, max_grad_error=MAX_GRAD_ERROR)
+    plans = dict(zip(range(len(budgets)), sweep.plans))
+    print(f"\n{name}: plain jit(grad) temp {plain / 2**20:.2f} MiB; {len(budgets)} budgets "
+          f"planned in {sweep.planning_seconds:.1f} s, {sweep.compiles} compiles")
+    print(f"  {'asked':>6s} {'reached':>8s} {'step':>6s} {'predicted':>9s} {'grad error':>10s}"
+          "  actions")
     missed = []
-    for budget, plan, reason in zip(sweep.budgets, sweep.plans, sweep.reasons):
+    for i, budget in enumerate(BUDGETS):
+        plan = plans[i]
         asked = "least" if budget is None else f"{budget:.2f}x"
         if plan is None:
-            least = reason.split(" is ")[-1].split(" Raise")[0] if reason else ""
-            print(f"  {asked:>6s} {'-':>8s} {'':>11s} {'':>9s}  not reachable: least {least}")
+            least = sweep.reasons[i].split(" is ")[-1].split(" Raise")[0]
+            print(f"  {asked:>6s} {'-':>8s}  not reachable: least {least}")
             continue
-        ratio = plan.memory / sweep.plain_memory
-        overhead = plan.predicted_step_overhead
-        counts: dict[str, int] = {}
-        for d in plan.decisions:
-            counts[d.action] = counts.get(d.action, 0) + 1
-        actions = ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
-        print(f"  {asked:>6s} {ratio:7.2f}x {plan.grad_error or 0:11.2e} "
-              f"{100 * (overhead or 0):8.1f}%  {actions}")
+        ratio = plan.memory / plain
+        print(f"  {asked:>6s} {ratio:7.2f}x {steps.ratio(plan):5.2f}x "
+              f"{1 + (plan.predicted_step_overhead or 0):8.2f}x {plan.grad_error or 0:10.2e}"
+              f"  {_actions(plan)}")
         if ratio > 1.0:
             missed.append(f"{name}: {asked} above plain")
         if budget is not None and ratio > budget:
             missed.append(f"{name}: {asked} not met")
+        if budget is not None and ratio < 0.95 * budget:
+            missed.append(f"{name}: {asked} reached {ratio:.2f}x, more than 5% under")
+    missed += _monotone(name, sweep, len(BUDGETS), plain)
+    missed += _against_hand_picked(name, loss, args, sweep, hand, plain, steps)
+    if exhaustive:
+        missed += _against_exhaustive(name, loss, args)
     return missed
 
 
-def main(small: bool) -> int:
+def _actions(plan) -> str:
+    counts: dict[str, int] = {}
+    for d in plan.decisions:
+        counts[d.action] = counts.get(d.action, 0) + 1
+    return ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
+
+
+def _monotone(name, sweep, start, plain) -> list[str]:
+    points = [(b, p) for b, p in zip(sweep.budgets[start:start + len(SWEEP)],
+                                     sweep.plans[start:start + len(SWEEP)]) if p is not None]
+    memory = [p.memory / plain for _, p in points]
+    cost = [p.predicted_seconds for _, p in points]
+    print("  10-point sweep (budget: reached): " + ", ".join(
+        f"{b}: {m:.2f}x" for (b, _), m in zip(points, memory)))
+    ok = all(a <= b + 1e-12 for a, b in itertools.pairwise(memory)) and all(
+        a >= b - 1e-15 for a, b in itertools.pairwise(cost))
+    return [] if ok else [f"{name}: sweep not monotone"]
+
+
+def _against_hand_picked(name, loss, args, sweep, hand, plain, steps) -> list[str]:
+    """At each hand-picked policy's memory, the plan against that policy: memory, measured
+    step time and gradient error."""
+    print(f"  {'hand-picked':22s} {'memory':>7s} {'step':>6s} {'error':>8s}   plan at that "
+          "memory: memory, step, error")
+    missed = []
+    by_budget = dict(zip(sweep.budgets, sweep.plans))
+    for label, (policy, memory) in hand.items():
+        error = relative_error(loss, policy, args)
+        line = (f"  {label:22s} {memory / plain:6.2f}x {steps.ratio(policy):5.2f}x "
+                f"{error:8.1e}   ")
+        plan = by_budget.get(memory) if memory < plain else None
+        if memory >= plain:
+            print(line + "not below plain: the plan keeps everything")
+            continue
+        if plan is None:
+            print(line + "no plan within max_grad_error "
+                  f"{MAX_GRAD_ERROR:g}" + (" (nor is this policy)" if error > MAX_GRAD_ERROR
+                                           else ""))
+            if error <= MAX_GRAD_ERROR:
+                missed.append(f"{name}: no plan at {label}'s memory")
+            continue
+        step = steps.ratio(plan)
+        print(line + f"{plan.memory / plain:.2f}x {step:5.2f}x {plan.grad_error or 0:8.1e}")
+        if error <= MAX_GRAD_ERROR and step > steps.ratio(policy) * 1.05:
+            missed.append(f"{name}: plan slower than {label} at its memory "
+                          f"({step:.2f}x vs {steps.ratio(policy):.2f}x)")
+    return missed
+
+
+def _against_exhaustive(name, loss, args, limit: int = 600) -> list[str]:
+    """Every combination of actions compiled: the cheapest that fits each budget, against
+    the planner's plan for it (both in the planner's predicted cost)."""
+    planner = _plan._Planner(loss, args, 0, _plan._check_actions(None), MAX_GRAD_ERROR)
+    options = [list(g.options) for g in planner.groups]
+    combos = math.prod(map(len, options))
+    if combos > limit:
+        print(f"  exhaustive: {combos} combinations of {len(options)} groups, skipped")
+        return []
+    results = {}
+    for budget in BUDGETS[:-1]:
+        try:
+            results[budget] = planner.run(("fraction", budget))
+        except ValueError:
+            results[budget] = None
+    start = time.perf_counter()
+    rows = []
+    for combo in itertools.product(*options):
+        candidate = planner._choice_plan(dict(zip((g.key for g in planner.groups), combo)))
+        if planner._error(candidate) <= MAX_GRAD_ERROR:
+            rows.append((planner.memory(candidate), candidate.predicted_seconds))
+    print(f"  exhaustive: {combos} combinations, {len(rows)} within the error bound, "
+          f"compiled in {time.perf_counter() - start:.0f} s")
+    missed = []
+    for budget, plan in results.items():
+        fits = [s for m, s in rows if m <= budget * planner.plain]
+        best = min(fits, default=None)
+        got = None if plan is None else plan.predicted_seconds
+        print(f"    {budget:.2f}x: optimum {_ms(best)}, plan {_ms(got)}")
+        if best is not None and (got is None or got > 1.05 * best + 1e-6):
+            missed.append(f"{name}: {budget}x plan {_ms(got)} vs optimum {_ms(best)}")
+    return missed
+
+
+def _ms(seconds) -> str:
+    return "none" if seconds is None else f"{1e3 * seconds:.3f} ms"
+
+
+def main(small: bool, exhaustive: bool) -> int:
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
     batch, width = (256, 128) if small else (1024, 512)
+    pairs = 10 if small else 20
     missed = []
-    for layers in (1, 8):
+    cases = []
+    for layers in (1, 2, 8):
         args = models.mlp_params(layers, width, batch)
         for kind, loss in (("scan", models.scan_mlp), ("unrolled", models.unrolled_mlp)):
-            missed += measure(f"{kind} MLP f32, {layers} layer(s), batch {batch} x width "
-                              f"{width}", loss, args)
+            cases.append((f"{kind} MLP f32, {layers} layer(s)", loss, args))
+    cases.append(("unrolled MLP bf16, 2 layers", models.unrolled_mlp,
+                  models.mlp_params(2, width, batch, jnp.bfloat16)))
+    for name, loss, args in cases:
+        missed += measure(f"{name}, batch {batch} x width {width}", loss, args, pairs,
+                          exhaustive)
     if not small:
         loss, params, tokens = models.transformer()
-        missed += measure("equinox transformer, 4 blocks (scan)", loss, (params, tokens))
+        start = time.perf_counter()
+        plan = residual.plan(loss, params, tokens, budget=0.5)
+        seconds = time.perf_counter() - start
+        print(f"\nequinox transformer, 4 blocks (scan): residual.plan(budget=0.5) took "
+              f"{seconds:.1f} s, {plan.compiles} compiles")
+        if seconds > 60:
+            missed.append(f"transformer planned in {seconds:.0f} s")
+        missed += measure("equinox transformer, 4 blocks (scan)", loss, (params, tokens),
+                          pairs, False)
     print(f"\n{len(missed)} target(s) missed" + "".join(f"\n  {m}" for m in missed))
     return 0
 
@@ -72,4 +234,6 @@ def main(small: bool) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true")
-    raise SystemExit(main(parser.parse_args().small))
+    parser.add_argument("--exhaustive", action="store_true")
+    options = parser.parse_args()
+    raise SystemExit(main(options.small, options.exhaustive))

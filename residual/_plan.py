@@ -716,7 +716,8 @@ class _Planner:
 
     def _costs(self) -> None:
         packing = tuple(a for a in self.actions if a not in ("keep", "remat"))
-        rates = _rates(packing)
+        rates = self._rates = _rates(packing)
+        self._base_cost, self._base_stored = self._traced(self._choice_plan({}))
         errors = self._round_trip_errors(packing) if self.concrete else {}
         traced = {a: self._stored_by_group(a) for a in packing}
         for g in self.groups:
@@ -761,7 +762,7 @@ class _Planner:
         rates; and the bytes the trace stores then, which include the values the engine
         stores to recompute from (a recomputed `tanh` may store the matmul before it)."""
         candidates = [g for g in self.groups if _policy("remat").resolve(g.info) is not None]
-        base, base_stored = self._traced(self._choice_plan({}))
+        base, base_stored = self._base_cost, self._base_stored
         # An unrolled loop's layers share a code key and cost the same: measured once.
         first: dict[tuple, _Group] = {}
         for g in candidates:
@@ -939,7 +940,7 @@ class _Planner:
                  for a in self.actions if a != "keep"]
         in_scan = {g.key: "remat" for g in self.groups if g.info.in_scan and "remat" in g.options}
         if in_scan:  # what `Remat` on every scan body does
-            plans.append(self._choice_plan(in_scan, recompute_scans=True))
+            plans.append(self._recompute_scans(in_scan))
         for plan in sorted(plans, key=_plan_error):
             predicted = _plan_error(plan)
             if plan in self._memory or (scales and predicted * min(scales) > error_cap):
@@ -956,6 +957,15 @@ class _Planner:
         if plan in self._measured:
             return self._measured[plan]
         return self.error_scale * _plan_error(plan)
+
+    def _recompute_scans(self, choice: dict[tuple, str]) -> Plan:
+        """The plan that recomputes every scan body, its time from XLA's cost analysis
+        of the whole program: recomputing the values the plan does not list costs more
+        than the residuals' own shares."""
+        plan = self._choice_plan(choice, recompute_scans=True)
+        cost, _ = self._traced(plan)
+        seconds = _seconds(cost, self._base_cost, self._rates, 0)
+        return dataclasses.replace(plan, predicted_seconds=max(plan.predicted_seconds, seconds))
 
     def _within(self, error_cap: float) -> list[Plan]:
         """The plans compiled so far whose gradient error is within `error_cap`."""
