@@ -717,7 +717,6 @@ class _Planner:
     def _costs(self) -> None:
         packing = tuple(a for a in self.actions if a not in ("keep", "remat"))
         rates = self._rates = _rates(packing)
-        self._base_cost, self._base_stored = self._traced(self._choice_plan({}))
         errors = self._round_trip_errors(packing) if self.concrete else {}
         traced = {a: self._stored_by_group(a) for a in packing}
         for g in self.groups:
@@ -762,7 +761,7 @@ class _Planner:
         rates; and the bytes the trace stores then, which include the values the engine
         stores to recompute from (a recomputed `tanh` may store the matmul before it)."""
         candidates = [g for g in self.groups if _policy("remat").resolve(g.info) is not None]
-        base, base_stored = self._base_cost, self._base_stored
+        base, base_stored = self._base
         # An unrolled loop's layers share a code key and cost the same: measured once.
         first: dict[tuple, _Group] = {}
         for g in candidates:
@@ -784,6 +783,12 @@ class _Planner:
             share = g.nbytes / size
             g.options["remat"] = (max(g.nbytes + (stored - base_stored) * share, 0),
                                   total * share, 0.0)
+
+    @functools.cached_property
+    def _base(self) -> tuple[dict[str, float], int]:
+        """`_traced` of the plan that keeps everything: what recomputing is measured
+        against (traced only when recomputing is an action)."""
+        return self._traced(self._choice_plan({}))
 
     def _traced(self, policy: Policy) -> tuple[dict[str, float], int]:
         """XLA's cost analysis of `jit(grad)` under `policy` (lowered, not compiled), and
@@ -964,7 +969,7 @@ class _Planner:
         than the residuals' own shares."""
         plan = self._choice_plan(choice, recompute_scans=True)
         cost, _ = self._traced(plan)
-        seconds = _seconds(cost, self._base_cost, self._rates, 0)
+        seconds = _seconds(cost, self._base[0], self._rates, 0)
         return dataclasses.replace(plan, predicted_seconds=max(plan.predicted_seconds, seconds))
 
     def _within(self, error_cap: float) -> list[Plan]:

@@ -260,16 +260,22 @@ def _conv_bn_net(params, x):
     return jnp.mean(x**2)
 
 
+def _conv_bn_args():
+    """Three conv layers (3 to 64 channels) with their BatchNorm scale and shift, and a
+    batch of 32 images of 32x32."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    channels = [(3, 32), (32, 32), (32, 64)]
+    params = [(jax.random.normal(k, (3, 3, i, o)) / (3 * i**0.5), jnp.ones(o), jnp.zeros(o))
+              for k, (i, o) in zip(keys, channels)]
+    return params, jax.random.normal(keys[-1], (32, 32, 32, 3))
+
+
 def test_batch_norm_statistics_stored_as_they_are_do_not_keep_floats_alive():
     # The per-channel scale, stored as it is next to packed activations, was read by
     # the backward straight from the forward: XLA computed its full-size broadcast once
     # and kept it from the forward to the backward, a float per layer: 0.90x plain
     # under int8 here, 0.81x with it read after the backward's tie.
-    keys = jax.random.split(jax.random.key(0), 4)
-    channels = [(3, 32), (32, 32), (32, 64)]
-    params = [(jax.random.normal(k, (3, 3, i, o)) / (3 * i**0.5), jnp.ones(o), jnp.zeros(o))
-              for k, (i, o) in zip(keys, channels)]
-    x = jax.random.normal(keys[-1], (32, 32, 32, 3))
+    params, x = _conv_bn_args()
     plain = temp_bytes(jax.grad(_conv_bn_net), params, x)
     assert _hooked_temp(_conv_bn_net, rp.Quantize(bits=8), params, x) <= 0.85 * plain
     hooked = jax.grad(residual.with_hooks(_conv_bn_net, policy=rp.Quantize(bits=8)))(params, x)
@@ -281,14 +287,10 @@ def test_relu_masks_are_stored_as_booleans_not_recomputed_from_floats():
     # constant. Tied to those zeros, the mask's conditional had a constant predicate:
     # XLA removed it and recomputed the mask in the backward from the float it was
     # computed from, which then stayed alive from the forward (0.82x plain here).
-    keys = jax.random.split(jax.random.key(0), 4)
-    channels = [(3, 32), (32, 32), (32, 64)]
-    params = [(jax.random.normal(k, (3, 3, i, o)) / (3 * i**0.5), jnp.ones(o), jnp.zeros(o))
-              for k, (i, o) in zip(keys, channels)]
-    x = jax.random.normal(keys[-1], (32, 32, 32, 3))
+    params, x = _conv_bn_args()
     hooked = jax.grad(residual.with_hooks(_conv_bn_net, policy=rp.Quantize(bits=8)))
     masks = re.findall(r"pred\[32,32,32,\d+\]\S* conditional\(", compiled_text(hooked, params, x))
-    assert len(masks) == len(channels)
+    assert len(masks) == len(params)
     assert temp_bytes(hooked, params, x) <= 0.78 * temp_bytes(jax.grad(_conv_bn_net), params, x)
 
 
