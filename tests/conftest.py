@@ -23,7 +23,7 @@ _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large]
 # and never depends on luck; it skips shrinking, which alone can take minutes per
 # failure. The failing example is printed in full, and a local run draws the same one.
 settings.register_profile(
-    "ci", max_examples=40, deadline=None, suppress_health_check=_QUIET,
+    "ci", max_examples=30, deadline=None, suppress_health_check=_QUIET,
     derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
 )
 settings.register_profile(
