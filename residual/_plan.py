@@ -37,6 +37,14 @@ _ROUNDS = 4
 # Recomputing is costed residual by residual (one lowering each) up to this many
 # distinct residuals; beyond, from one program that recomputes them all.
 _REMAT_MEASURED = 8
+# Plans that fit, of least predicted time, whose steps are run and timed before one is
+# returned (with every one-action plan that fits): the predicted times rank them less
+# surely than the gaps between them.
+_FINALISTS = 3
+# Seconds of steps spent timing finalists, at most (but at least 3 samples of each),
+# and the least time one sample takes (short steps are run several times a sample).
+_TIMING_SECONDS = 4.0
+_SAMPLE_SECONDS = 0.02
 
 
 @functools.cache
@@ -132,6 +140,8 @@ class Plan(Policy):
         predicted_seconds: predicted extra seconds per step (packing, unpacking,
             recomputing).
         plain_step_seconds: measured seconds of one plain `jit(grad)` step.
+        step_seconds: measured seconds of one `jit(grad)` step under the plan, timed
+            alternately with plain's on the example arguments (`None` for shapes only).
         max_grad_error: the bound the plan was made under.
         compiles: programs compiled while planning.
         planning_seconds: wall time spent planning.
@@ -145,6 +155,7 @@ class Plan(Policy):
     grad_error: float | None = dataclasses.field(default=None, compare=False)
     predicted_seconds: float = dataclasses.field(default=0.0, compare=False)
     plain_step_seconds: float | None = dataclasses.field(default=None, compare=False)
+    step_seconds: float | None = dataclasses.field(default=None, compare=False)
     max_grad_error: float | None = dataclasses.field(default=None, compare=False)
     compiles: int = dataclasses.field(default=0, compare=False)
     planning_seconds: float = dataclasses.field(default=0.0, compare=False)
@@ -174,6 +185,13 @@ class Plan(Policy):
         if not self.plain_step_seconds:
             return None
         return self.predicted_seconds / self.plain_step_seconds
+
+    @property
+    def step_overhead(self) -> float | None:
+        """Measured extra time per step, as a fraction of a plain step (negative: faster)."""
+        if not self.plain_step_seconds or self.step_seconds is None:
+            return None
+        return self.step_seconds / self.plain_step_seconds - 1
 
     @functools.cached_property
     def _lookup(self) -> dict[tuple, tuple[Decision, ...]]:
@@ -279,6 +297,10 @@ class Plan(Policy):
         lines.append(f"predicted cost: {1e3 * self.predicted_seconds:.3f} ms per step"
                      + (f" ({100 * overhead:.1f}% of a plain step)" if overhead is not None
                         else ""))
+        if self.step_overhead is not None:
+            lines.append(f"measured step: {1e3 * self.step_seconds:.2f} ms, "
+                         f"{100 * self.step_overhead:+.1f}% against plain "
+                         f"{1e3 * self.plain_step_seconds:.2f} ms")
         if self.plain_memory is not None and self.memory is not None:
             asked = "least memory" if self.budget is None else f"budget {_mib(self.budget)}"
             lines.append(
@@ -419,8 +441,9 @@ def plan_sweep(
     Arguments as for `residual.plan`. The residuals, their costs and every compiled
     program are measured once for all budgets. The plans are made monotone: a smaller
     budget never gets a plan of larger compiled memory (it takes the larger budget's
-    plan, which fits it too), and a larger budget never one of larger predicted cost
-    (it takes the smaller budget's plan). A budget no plan reaches is listed with the
+    plan, which fits it too), and a larger budget never a slower one (it takes the
+    smaller budget's plan): slower by measured step time, or by predicted time when
+    the arguments are shapes only. A budget no plan reaches is listed with the
     reason instead of a plan.
 
     Returns:
@@ -465,9 +488,9 @@ def plan_sweep(
     for i, j in reversed(list(itertools.pairwise(feasible))):
         if plans[i].memory > plans[j].memory:
             plans[i] = dataclasses.replace(plans[j], budget=targets[i])
-    # Larger budgets never cost more: the smaller budget's plan fits them too.
+    # Larger budgets are never slower: the smaller budget's plan fits them too.
     for i, j in itertools.pairwise(feasible):
-        if plans[j].predicted_seconds > plans[i].predicted_seconds:
+        if _slowness(plans[j]) > _slowness(plans[i]):
             plans[j] = dataclasses.replace(plans[i], budget=targets[j])
     return PlanSweep(tuple(budgets), tuple(plans), tuple(reasons), planner.plain,
                      planner.compiles, time.perf_counter() - start)
@@ -501,18 +524,20 @@ class PlanSweep:
             if p is None:
                 lines.append(f"{asked:>10s}  {'not reachable':>30s}")
                 continue
-            overhead = p.predicted_step_overhead
+            overhead = _overhead(p)
             lines.append(
                 f"{asked:>10s}  {p.memory / self.plain_memory:7.2f}x  "
                 f"{'' if overhead is None else f'{100 * overhead:7.1f}%':>8s}  "
                 f"{'' if p.grad_error is None else f'{p.grad_error:.2e}':>10s}"
             )
+        timed = all(p.step_seconds is not None for p in self.plans if p is not None)
         lines.append(f"memory: compiled jit(grad) temp memory, of plain {_mib(self.plain_memory)}; "
-                     "overhead: predicted, of a plain step")
+                     f"overhead: {'measured' if timed else 'predicted'}, of a plain step")
         return "\n".join(lines)
 
     def plot(self):
-        """A matplotlib figure: compiled memory against predicted overhead, coloured by error.
+        """A matplotlib figure: compiled memory against step overhead (measured, or
+        predicted for shapes only), coloured by gradient error.
 
         Raises:
             ImportError: matplotlib is not installed (`pip install 'residual[plot]'`).
@@ -526,7 +551,7 @@ class PlanSweep:
         points = [(b, p) for b, p in zip(self.budgets, self.plans) if p is not None]
         fig, ax = plt.subplots(figsize=(5, 3.5))
         memory = [p.memory / self.plain_memory for _, p in points]
-        cost = [100 * (p.predicted_step_overhead or 0.0) for _, p in points]
+        cost = [100 * (_overhead(p) or 0.0) for _, p in points]
         error = [p.grad_error or 0.0 for _, p in points]
         dots = ax.scatter(memory, cost, c=error, cmap="viridis")
         ax.scatter([1.0], [0.0], marker="x", color="black")
@@ -541,10 +566,24 @@ class PlanSweep:
                         textcoords="offset points")
         fig.colorbar(dots, ax=ax, label="gradient error (relative)")
         ax.set_xlabel("compiled memory / plain jax.grad")
-        ax.set_ylabel("predicted step overhead (%)")
+        timed = all(p.step_seconds is not None for _, p in points)
+        ax.set_ylabel(f"{'measured' if timed else 'predicted'} step overhead (%)")
         ax.set_title("Plans: memory, time and error")
         fig.tight_layout()
         return fig
+
+
+def _overhead(plan: Plan) -> float | None:
+    """A plan's extra time per step as a fraction of plain's: measured when it was, else
+    predicted (`None` for shapes only: no plain step was timed)."""
+    if plan.step_overhead is not None:
+        return plan.step_overhead
+    return plan.predicted_step_overhead
+
+
+def _slowness(plan: Plan) -> float:
+    """What orders plans by speed: measured step seconds, else predicted extra seconds."""
+    return plan.predicted_seconds if plan.step_seconds is None else plan.step_seconds
 
 
 def _check_loss(loss: Any, example_args: tuple) -> None:
@@ -658,7 +697,9 @@ class _Planner:
         self.compiles = 0
         self._memory: dict[Plan | None, int] = {}
         self._executables: dict[Plan | None, Any] = {}
-        self._uniform_compiled = False
+        self._uniform: list[Plan] | None = None  # the one-action plans, once compiled
+        # Measured step time of plans, as a ratio to plain's (timed in alternation).
+        self._step_ratio: dict[Plan, float] = {}
         # Measured gradient errors, and the ratio of measured to predicted error that
         # the plans of one action everywhere show (round-trip errors of residuals
         # overstate the gradient's: many are damped on their way to it).
@@ -731,7 +772,7 @@ class _Planner:
                 error = errors.get((g.key, action), _NOMINAL_ERROR.get(action, 0.0))
                 g.options[action] = (stored, rates[action] * g.nbytes, error)
         if "remat" in self.actions:
-            self._remat_costs(rates)
+            self._remat_costs()
 
     def _stored_by_group(self, action: str) -> dict[tuple, int]:
         """Bytes each residual stores when `action` is taken everywhere, as the engine
@@ -755,13 +796,14 @@ class _Planner:
         return {key: math.sqrt(err / norm) if norm > 0 else 0.0
                 for key, (err, norm) in sums.items()}
 
-    def _remat_costs(self, rates) -> None:
+    def _remat_costs(self) -> None:
         """Seconds and bytes of recomputing each residual: XLA's cost analysis of the
         program with it recomputed, against the program with it kept, at the measured
         rates; and the bytes the trace stores then, which include the values the engine
         stores to recompute from (a recomputed `tanh` may store the matmul before it)."""
         candidates = [g for g in self.groups if _policy("remat").resolve(g.info) is not None]
         base, base_stored = self._base
+        rates = self._rates
         # An unrolled loop's layers share a code key and cost the same: measured once.
         first: dict[tuple, _Group] = {}
         for g in candidates:
@@ -885,7 +927,7 @@ class _Planner:
         self._relax(target, error_cap)
         fits = [p for p in self._within(error_cap) if self._memory[p] <= target]
         if fits:
-            return min(fits, key=lambda p: (p.predicted_seconds, self._memory[p]))
+            return self._fastest(fits)
         best = self._least(error_cap)
         raise ValueError(
             f"No plan fits `budget` of {_mib(target)} ({target / self.plain:.2f}x of plain "
@@ -937,15 +979,15 @@ class _Planner:
         policy chosen by hand does), once per planner: candidates the byte model may
         rank wrong, since XLA's liveness, not the sum of stored bytes, sets the peak.
         Their measured gradient errors calibrate the predicted ones."""
-        if self._uniform_compiled:
+        if self._uniform is not None:
             return
-        self._uniform_compiled = True
         scales: list[float] = []
         plans = [self._choice_plan({g.key: a for g in self.groups if a in g.options})
                  for a in self.actions if a != "keep"]
         in_scan = {g.key: "remat" for g in self.groups if g.info.in_scan and "remat" in g.options}
         if in_scan:  # what `Remat` on every scan body does
             plans.append(self._recompute_scans(in_scan))
+        self._uniform = plans
         for plan in sorted(plans, key=_plan_error):
             predicted = _plan_error(plan)
             if plan in self._memory or (scales and predicted * min(scales) > error_cap):
@@ -1003,6 +1045,40 @@ class _Planner:
             else:
                 return
 
+    def _fastest(self, fits: list[Plan]) -> Plan:
+        """Of the plans that fit, the fastest: by measured step time among the few of
+        least predicted time and the one-action plans that fit (what a policy chosen by
+        hand would do), when the arguments have values; else by predicted time."""
+        ranked = sorted(fits, key=lambda p: (p.predicted_seconds, self._memory[p]))
+        if not self.concrete or len(ranked) == 1:
+            return ranked[0]
+        finalists = ranked[:_FINALISTS] + [p for p in ranked[_FINALISTS:]
+                                           if p in self._uniform or p in self._step_ratio]
+        self._time_steps(finalists)
+        return min(finalists, key=lambda p: (self._step_ratio[p], self._memory[p]))
+
+    def _time_steps(self, plans: list[Plan]) -> None:
+        """Times the steps of `plans` not timed yet, each right after a plain step, in
+        rounds (the median ratio to plain is kept): a ratio taken in alternation is
+        steadier than seconds on a busy machine."""
+        plans = [p for p in plans if p not in self._step_ratio]
+        if not plans:
+            return
+        steps = [self.executable(None), *(self.executable(p) for p in plans)]
+        for step in steps[1:]:
+            jax.block_until_ready(step(*self.args))  # first run: allocation, caches
+        plain = max(self._plain_seconds(), 1e-6)
+        runs = math.ceil(_SAMPLE_SECONDS / plain)
+        rounds = max(3, min(9, int(_TIMING_SECONDS / (plain * runs * (1 + len(plans))))))
+        ratios: list[list[float]] = [[] for _ in plans]
+        for _ in range(rounds):
+            seconds = [_best_time(functools.partial(_run, s, self.args, runs), repeats=1)
+                       for s in steps]
+            for i, t in enumerate(seconds[1:]):
+                ratios[i].append(t / seconds[0])
+        for p, r in zip(plans, ratios):
+            self._step_ratio[p] = float(np.median(r))
+
     def _least(self, error_cap: float) -> Plan:
         """Of every plan compiled so far within `error_cap`, the one of least memory
         (then least predicted time): never above plain, which keeps everything."""
@@ -1013,8 +1089,15 @@ class _Planner:
         if grad_error is None and self.concrete:
             grad_error = 0.0 if not any(d.action != "keep" for d in result.decisions) else (
                 self._grad_error(result))
+        plain_seconds = self._plain_seconds()
+        step_seconds = None
+        if self.concrete:
+            if result == self._choice_plan({}):
+                self._step_ratio.setdefault(result, 1.0)  # keeping everything is plain
+            self._time_steps([result])
+            step_seconds = self._step_ratio[result] * plain_seconds
         return dataclasses.replace(result, memory=memory, budget=target, grad_error=grad_error,
-                                   plain_step_seconds=self._plain_seconds())
+                                   plain_step_seconds=plain_seconds, step_seconds=step_seconds)
 
     @functools.cached_property
     def _plain_grad(self):
@@ -1131,6 +1214,12 @@ def _rates(actions: tuple[str, ...]) -> dict[str, float]:
         jax.block_until_ready(trip(x))
         rates[action] = _best_time(lambda trip=trip: trip(x)) / x.nbytes
     return rates
+
+
+def _run(step: Callable, args: tuple, times: int):
+    for _ in range(times):
+        out = step(*args)
+    return out
 
 
 def _best_time(run: Callable, repeats: int = 3) -> float:
