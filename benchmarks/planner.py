@@ -107,8 +107,11 @@ def measure(name: str, loss, args, pairs: int, exhaustive: bool) -> list[str]:
             missed.append(f"{name}: {asked} above plain")
         if budget is not None and ratio > budget:
             missed.append(f"{name}: {asked} not met")
-        if budget is not None and ratio < 0.95 * budget:
-            missed.append(f"{name}: {asked} reached {ratio:.2f}x, more than 5% under")
+        # Under the budget by more than 5% is a needless slowdown only if the step is
+        # slower than plain's: the planner returns the fastest plan it timed that fits.
+        if budget is not None and ratio < 0.95 * budget and steps.ratio(plan) > 1.0:
+            missed.append(f"{name}: {asked} reached {ratio:.2f}x, more than 5% under, "
+                          f"at {steps.ratio(plan):.2f}x plain's step")
     missed += _monotone(name, sweep, len(BUDGETS), plain)
     missed += _against_hand_picked(name, loss, args, sweep, hand, plain, steps)
     if exhaustive:
@@ -137,7 +140,8 @@ def _monotone(name, sweep, start, plain) -> list[str]:
 
 def _against_hand_picked(name, loss, args, sweep, hand, plain, steps) -> list[str]:
     """At each hand-picked policy's memory, the plan against that policy: memory, measured
-    step time and gradient error."""
+    step time and gradient error. Missed: a plan more than 5% slower, or less accurate
+    without being more than 5% faster."""
     print(f"  {'hand-picked':22s} {'memory':>7s} {'step':>6s} {'error':>8s}   plan at that "
           "memory: memory, step, error")
     missed = []
@@ -159,9 +163,17 @@ def _against_hand_picked(name, loss, args, sweep, hand, plain, steps) -> list[st
             continue
         step = steps.ratio(plan)
         print(line + f"{plan.memory / plain:.2f}x {step:5.2f}x {plan.grad_error or 0:8.1e}")
-        if error <= MAX_GRAD_ERROR and step > steps.ratio(policy) * 1.05:
+        theirs = steps.ratio(policy)
+        if error <= MAX_GRAD_ERROR and step > theirs * 1.05:
             missed.append(f"{name}: plan slower than {label} at its memory "
-                          f"({step:.2f}x vs {steps.ratio(policy):.2f}x)")
+                          f"({step:.2f}x vs {theirs:.2f}x)")
+        # A larger error is the price of a faster step, within the bound; without one,
+        # the policy is better.
+        elif error <= MAX_GRAD_ERROR and (plan.grad_error or 0) > 1.05 * error + 1e-7 and (
+                step * 1.05 > theirs):
+            missed.append(f"{name}: plan less accurate than {label} at its memory, not "
+                          f"faster ({plan.grad_error:.1e} vs {error:.1e}, step {step:.2f}x vs "
+                          f"{theirs:.2f}x)")
     return missed
 
 

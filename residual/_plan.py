@@ -45,6 +45,9 @@ _FINALISTS = 3
 # and the least time one sample takes (short steps are run several times a sample).
 _TIMING_SECONDS = 4.0
 _SAMPLE_SECONDS = 0.02
+# Finalists within this fraction of the fastest count as fast as it (timing noise): of
+# those, the one of least gradient error, then least memory, is returned.
+_TIME_TIE = 0.05
 
 
 @functools.cache
@@ -1048,14 +1051,17 @@ class _Planner:
     def _fastest(self, fits: list[Plan]) -> Plan:
         """Of the plans that fit, the fastest: by measured step time among the few of
         least predicted time and the one-action plans that fit (what a policy chosen by
-        hand would do), when the arguments have values; else by predicted time."""
+        hand would do), when the arguments have values; else by predicted time. Plans
+        within `_TIME_TIE` of the fastest are as fast: the most accurate of them wins."""
         ranked = sorted(fits, key=lambda p: (p.predicted_seconds, self._memory[p]))
         if not self.concrete or len(ranked) == 1:
             return ranked[0]
         finalists = ranked[:_FINALISTS] + [p for p in ranked[_FINALISTS:]
                                            if p in self._uniform or p in self._step_ratio]
         self._time_steps(finalists)
-        return min(finalists, key=lambda p: (self._step_ratio[p], self._memory[p]))
+        fastest = min(self._step_ratio[p] for p in finalists)
+        ties = [p for p in finalists if self._step_ratio[p] <= (1 + _TIME_TIE) * fastest]
+        return min(ties, key=lambda p: (self._error(p), self._memory[p], self._step_ratio[p]))
 
     def _time_steps(self, plans: list[Plan]) -> None:
         """Times the steps of `plans` not timed yet, each right after a plain step, in
@@ -1065,8 +1071,9 @@ class _Planner:
         if not plans:
             return
         steps = [self.executable(None), *(self.executable(p) for p in plans)]
-        for step in steps[1:]:
-            jax.block_until_ready(step(*self.args))  # first run: allocation, caches
+        for p, step in zip(plans, steps[1:]):
+            if p not in self._measured:  # not run yet: its first run allocates
+                jax.block_until_ready(step(*self.args))
         plain = max(self._plain_seconds(), 1e-6)
         runs = math.ceil(_SAMPLE_SECONDS / plain)
         rounds = max(3, min(9, int(_TIMING_SECONDS / (plain * runs * (1 + len(plans))))))
