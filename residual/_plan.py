@@ -41,7 +41,7 @@ _REMAT_MEASURED = 8
 # returned (with every one-action plan that fits): the predicted times rank them less
 # surely than the gaps between them.
 _FINALISTS = 3
-# Seconds of steps spent timing finalists, at most (but at least 3 samples of each),
+# Seconds of steps spent timing finalists, at most (but at least 2 samples of each),
 # and the least time one sample takes (short steps are run several times a sample).
 _TIMING_SECONDS = 4.0
 _SAMPLE_SECONDS = 0.02
@@ -1076,7 +1076,7 @@ class _Planner:
                 jax.block_until_ready(step(*self.args))
         plain = max(self._plain_seconds(), 1e-6)
         runs = math.ceil(_SAMPLE_SECONDS / plain)
-        rounds = max(3, min(9, int(_TIMING_SECONDS / (plain * runs * (1 + len(plans))))))
+        rounds = max(2, min(9, int(_TIMING_SECONDS / (plain * runs * (1 + len(plans))))))
         ratios: list[list[float]] = [[] for _ in plans]
         for _ in range(rounds):
             seconds = [_best_time(functools.partial(_run, s, self.args, runs), repeats=1)
