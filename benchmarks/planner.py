@@ -108,8 +108,9 @@ def measure(name: str, loss, args, pairs: int, exhaustive: bool) -> list[str]:
         if budget is not None and ratio > budget:
             missed.append(f"{name}: {asked} not met")
         # Under the budget by more than 5% is a needless slowdown only if the step is
-        # slower than plain's: the planner returns the fastest plan it timed that fits.
-        if budget is not None and ratio < 0.95 * budget and steps.ratio(plan) > 1.0:
+        # slower than plain's (beyond 5% of noise): the planner returns the fastest plan it
+        # timed that fits.
+        if budget is not None and ratio < 0.95 * budget and steps.ratio(plan) > 1.05:
             missed.append(f"{name}: {asked} reached {ratio:.2f}x, more than 5% under, "
                           f"at {steps.ratio(plan):.2f}x plain's step")
     missed += _monotone(name, sweep, len(BUDGETS), plain)
