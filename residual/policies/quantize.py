@@ -169,24 +169,22 @@ class Quantize(Policy):
         layout = _layout(x.shape, self.group_size)
         groups = layout.split(x.astype(jnp.float32))
         # Plain max and min read the data directly: no float temporary the size of
-        # the residual. They show an Inf, but not always a NaN: XLA's CPU reductions
-        # may skip one, depending on where it lies. A sum shows both, whatever the
-        # order of its additions (a finite sum that overflows only costs time).
+        # the residual. An Inf shows in them, a NaN only mostly: XLA's CPU reductions
+        # may skip one, depending on where it lies, so the clean branch checks again.
         hi = jnp.max(groups, axis=layout.reduced, keepdims=True, initial=-jnp.inf)
         lo = jnp.min(groups, axis=layout.reduced, keepdims=True, initial=jnp.inf)
-        clean = jnp.isfinite(jnp.sum(groups))
-        # Only then are the ranges taken again, over the finite values. The `cond`
-        # returns per-group statistics only, and the codes are computed after it:
-        # XLA allocates the buffers of both branches for the conditional as a whole,
-        # so a full-size value in the NaN-safe branch would raise the peak of every
-        # call, clean data included.
-        exact = functools.partial(_finite_range, axis=layout.reduced)
-        if isinstance(clean, jax.core.Tracer):
-            lo, hi, broken = lax.cond(clean, _with_zero, exact, groups, lo, hi)
-        else:  # eager: a `cond` of these fresh branches would be compiled anew per call
-            lo, hi, broken = (_with_zero if clean else exact)(groups, lo, hi)
+        clean = jnp.all(jnp.isfinite(hi) & jnp.isfinite(lo))
+        # The key, not the noise, goes into the `cond`: an operand the size of the
+        # residual would be materialized whole. The `cond` is the only other reader
+        # of `groups`: more readers outside it let XLA schedule several residuals'
+        # reductions early and keep their floats alive together (in scanned layers).
         key = _key(self.seed, info.index, x) if self.stochastic else None
-        packed = self._codes(groups, lo, hi, broken, key)
+        fast = functools.partial(self._pack_clean, key=key, axis=layout.reduced)
+        slow = functools.partial(self._pack_any, key=key, axis=layout.reduced)
+        if isinstance(clean, jax.core.Tracer):
+            packed = lax.cond(clean, fast, slow, groups, lo, hi)
+        else:  # eager: a `cond` of these fresh branches would be compiled anew per call
+            packed = (fast if clean else slow)(groups, lo, hi)
         # Codes keep the residual's layout (`[..., last]`, or `[..., last * bits / 8]`
         # bytes, the last axis padded to whole groups when it must be) and scales
         # its axes with the grouped one divided by the group size: under `jit` with
@@ -197,6 +195,26 @@ class Quantize(Policy):
         if self.format == "int":
             codes = _pack_codes(codes, self.bits)
         return {"codes": codes, **{k: v.squeeze(layout.reduced) for k, v in packed.items()}}
+
+    # XLA allocates the buffers of both branches for the conditional as a whole: a
+    # float the size of the residual computed in the NaN-safe branch would count in
+    # every call, clean data included. Both branches compute their codes into the
+    # conditional's output, and their other values are per-group statistics.
+
+    def _pack_clean(self, groups, lo, hi, key, axis):
+        """No NaN or Inf seen by max and min: every code is a value, unless a sum,
+        which no NaN escapes whatever the order of its additions, shows one after all."""
+        exact = functools.partial(_finite_range, axis=axis)
+        check = jnp.isfinite(jnp.sum(groups))  # a finite sum that overflows costs time only
+        if isinstance(check, jax.core.Tracer):
+            lo, hi, broken = lax.cond(check, _with_zero, exact, groups, lo, hi)
+        else:
+            lo, hi, broken = (_with_zero if check else exact)(groups, lo, hi)
+        return self._codes(groups, lo, hi, broken, key)
+
+    def _pack_any(self, groups, lo, hi, key, axis):
+        """Some values are NaN or Inf: scales from the finite ones, code 0 for the rest."""
+        return self._codes(groups, *_finite_range(groups, lo, hi, axis), key)
 
     def _codes(self, groups, lo, hi, broken, key) -> dict[str, jnp.ndarray]:
         """Codes and per-group scales (and zero points) for groups spanning `[lo, hi]`.
