@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -175,6 +176,37 @@ def test_non_finite_values_never_corrupt_finite_ones(policy):
     error = jnp.where(finite, jnp.abs(y[:2] - x[:2]), 0.0)
     bound = jnp.max(jnp.abs(x[:2]), axis=1, keepdims=True)
     assert bool(jnp.all(error <= bound * (1.0 if getattr(policy, "bits", 8) == 2 else 0.1)))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_nan_that_its_groups_max_and_min_skip_still_marks_its_group(jit):
+    # XLA's CPU max and min reductions can skip a NaN, depending on where it lies:
+    # the max and min of the group holding x[3, 1] both come out as 1.0.
+    x = jnp.ones((64, 128)).at[3, 1].set(jnp.nan)
+    policy, info = rp.Quantize(bits=8), _info(x)
+    pack = functools.partial(policy.pack, info=info)
+    packed = (jax.jit(pack) if jit else pack)(x)
+    y = policy.unpack(packed, info)
+    assert bool(jnp.signbit(packed["scale"][3, 0]))  # marked
+    assert bool(jnp.all(jnp.isnan(y) == jnp.isnan(x)))
+    np.testing.assert_allclose(jnp.where(jnp.isnan(x), 1.0, y), 1.0, rtol=1e-2)
+
+    def f(x):
+        return jnp.sum(jnp.sin(x) ** 2)
+
+    plain = jax.grad(f)(x)
+    got = jax.jit(jax.grad(residual.with_hooks(f, policy=policy)))(x)
+    assert bool(jnp.all(jnp.isnan(got) == jnp.isnan(plain))) and bool(jnp.isnan(plain[3, 1]))
+
+
+@pytest.mark.parametrize("value", [jnp.nan, jnp.inf, -jnp.inf])
+def test_a_non_finite_value_alone_in_its_group(value):
+    # Groups of one element (a last axis of 1, no earlier axis to group along): XLA
+    # reduces a single element to itself, without calling the reducer.
+    x = jnp.array([[1.5], [value], [-2.0]])
+    packed, y = _round_trip(rp.Quantize(bits=4, min_bytes=0), x)
+    assert bool(jnp.isnan(y[1, 0])) and bool(jnp.signbit(packed["scale"][1, 0]))
+    np.testing.assert_allclose(y[::2, 0], [1.5, -2.0], rtol=1e-6)
 
 
 def test_nan_in_forward_gives_nan_gradient_at_the_same_positions():

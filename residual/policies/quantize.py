@@ -169,15 +169,17 @@ class Quantize(Policy):
         layout = _layout(x.shape, self.group_size)
         groups = layout.split(x.astype(jnp.float32))
         # Plain max and min read the data directly: no float temporary the size of
-        # the residual (a max over `where(isfinite, x, 0)` is one, on CPU). A NaN or
-        # Inf shows in them; only then does the slower exact path run.
+        # the residual. An Inf shows in them, a NaN only mostly: XLA's CPU reductions
+        # may skip one, depending on where it lies, so the clean branch checks again.
         hi = jnp.max(groups, axis=layout.reduced, keepdims=True, initial=-jnp.inf)
         lo = jnp.min(groups, axis=layout.reduced, keepdims=True, initial=jnp.inf)
         clean = jnp.all(jnp.isfinite(hi) & jnp.isfinite(lo))
         # The key, not the noise, goes into the `cond`: an operand the size of the
-        # residual would be materialized whole.
+        # residual would be materialized whole. The `cond` is the only other reader
+        # of `groups`: more readers outside it let XLA schedule several residuals'
+        # reductions early and keep their floats alive together (in scanned layers).
         key = _key(self.seed, info.index, x) if self.stochastic else None
-        fast = functools.partial(self._pack_clean, key=key)
+        fast = functools.partial(self._pack_clean, key=key, axis=layout.reduced)
         slow = functools.partial(self._pack_any, key=key, axis=layout.reduced)
         if isinstance(clean, jax.core.Tracer):
             packed = lax.cond(clean, fast, slow, groups, lo, hi)
@@ -194,29 +196,32 @@ class Quantize(Policy):
             codes = _pack_codes(codes, self.bits)
         return {"codes": codes, **{k: v.squeeze(layout.reduced) for k, v in packed.items()}}
 
-    def _pack_clean(self, groups, lo, hi, key):
-        """All values finite: every code is a value."""
-        broken = jnp.zeros_like(hi, dtype=bool)
-        return self._codes(groups, jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0), broken, key)
+    # XLA allocates the buffers of both branches for the conditional as a whole: a
+    # float the size of the residual computed in the NaN-safe branch would count in
+    # every call, clean data included. Both branches compute their codes into the
+    # conditional's output, and their other values are per-group statistics.
+
+    def _pack_clean(self, groups, lo, hi, key, axis):
+        """No NaN or Inf seen by max and min: every code is a value, unless a sum,
+        which no NaN escapes whatever the order of its additions, shows one after all."""
+        exact = functools.partial(_finite_range, axis=axis)
+        check = jnp.isfinite(jnp.sum(groups))  # a finite sum that overflows costs time only
+        if isinstance(check, jax.core.Tracer):
+            lo, hi, broken = lax.cond(check, _with_zero, exact, groups, lo, hi)
+        else:
+            lo, hi, broken = (_with_zero if check else exact)(groups, lo, hi)
+        return self._codes(groups, lo, hi, broken, key)
 
     def _pack_any(self, groups, lo, hi, key, axis):
         """Some values are NaN or Inf: scales from the finite ones, code 0 for the rest."""
-        del lo, hi  # they saw the non-finite values
-        finite = jnp.isfinite(groups)
-        values = jnp.where(finite, groups, 0.0)
-        lo = jnp.min(values, axis=axis, keepdims=True, initial=0.0)
-        hi = jnp.max(values, axis=axis, keepdims=True, initial=0.0)
-        broken = ~jnp.all(finite, axis=axis, keepdims=True)
-        packed = self._codes(groups, lo, hi, broken, key)
-        if self.format == "int":
-            packed["codes"] = jnp.where(finite, packed["codes"], jnp.uint8(0))
-        return packed
+        return self._codes(groups, *_finite_range(groups, lo, hi, axis), key)
 
     def _codes(self, groups, lo, hi, broken, key) -> dict[str, jnp.ndarray]:
         """Codes and per-group scales (and zero points) for groups spanning `[lo, hi]`.
 
-        `lo <= 0 <= hi` (so zero is always on the grid), both with the group axis
-        kept (size 1); `broken` marks the groups holding a NaN or Inf.
+        `lo <= 0 <= hi` (so zero is always on the grid), from the finite values, both
+        with the group axis kept (size 1); `broken` marks the groups holding a NaN or
+        Inf.
         """
         if self.format != "int":
             top = float(jnp.finfo(_FP8[self.format]).max)
@@ -243,8 +248,9 @@ class Quantize(Policy):
             bits = _random_bytes(key, position.shape)
             rounded = jnp.floor(position + (bits.astype(jnp.float32) + 0.5) / 256)
         codes = jnp.clip(rounded, jnp.where(broken, 1, 0), top)
-        # NaN codes (non-finite inputs) become 0 in `_pack_any`; cast them safely here.
-        codes = jnp.where(jnp.isnan(codes), 0, codes).astype(jnp.uint8)
+        # Code 0 for a NaN or Inf (its position is NaN or clipped to an end): an
+        # elementwise select, fused into the codes' own computation.
+        codes = jnp.where(jnp.isfinite(groups), codes, 0).astype(jnp.uint8)
         return {"codes": codes, "scale": jnp.where(broken, -scale, scale),
                 "zero": zero.astype(jnp.uint8)}
 
@@ -262,6 +268,43 @@ class Quantize(Policy):
         values = (codes.astype(jnp.float32) - zero) * jnp.abs(scale)
         values = jnp.where(jnp.signbit(scale) & (codes == 0), jnp.nan, values)
         return layout.merge(values).astype(info.dtype)
+
+
+def _with_zero(groups, lo, hi):
+    """All values finite: the groups' ranges widened to hold zero, no group broken."""
+    del groups
+    return jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0), jnp.zeros(hi.shape, bool)
+
+
+def _finite_range(groups, lo, hi, axis):
+    """Some values are NaN or Inf: the groups' ranges over their finite values and
+    zero, and which groups hold a non-finite value.
+
+    One reduction whose reducer skips non-finite values itself, reading `groups` as
+    they are. XLA's CPU backend runs plain min and max reductions in kernels that
+    take no fused producer, so `where(isfinite(groups), groups, 0)` before them
+    would be a float temporary the size of the residual; and a NaN can escape them.
+    """
+    del lo, hi  # they saw the non-finite values
+
+    def finite_or_zero(v):
+        return jnp.where(jnp.isfinite(v), v, 0.0)
+
+    def reducer(a, b):
+        (a_lo, a_hi, a_bad), (b_lo, b_hi, b_bad) = a, b
+        # `bad` stays non-finite once any value was.
+        bad = jnp.where(jnp.isfinite(a_bad) & jnp.isfinite(b_bad), 0.0, jnp.nan)
+        return (jnp.minimum(finite_or_zero(a_lo), finite_or_zero(b_lo)),
+                jnp.maximum(finite_or_zero(a_hi), finite_or_zero(b_hi)), bad)
+
+    zero = jnp.zeros((), groups.dtype)
+    lo, hi, bad = lax.reduce((groups,) * 3, (zero,) * 3, reducer, (axis,))
+    # XLA takes `zero` for the reducer's identity, which it is not: it may leave it
+    # out, and a group of one element comes back as that element, reducer unapplied.
+    # So the results are filtered once more.
+    lo = jnp.minimum(finite_or_zero(lo), 0.0)
+    hi = jnp.maximum(finite_or_zero(hi), 0.0)
+    return tuple(jnp.expand_dims(v, axis) for v in (lo, hi, ~jnp.isfinite(bad)))
 
 
 def _is_row_statistic(shape: tuple[int, ...]) -> bool:
