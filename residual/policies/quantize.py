@@ -273,7 +273,7 @@ class Quantize(Policy):
 def _with_zero(groups, lo, hi):
     """All values finite: the groups' ranges widened to hold zero, no group broken."""
     del groups
-    return jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0), jnp.zeros(hi.shape, bool)
+    return jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0), jnp.zeros_like(hi, dtype=bool)
 
 
 def _finite_range(groups, lo, hi, axis):
