@@ -181,10 +181,7 @@ class Quantize(Policy):
         key = _key(self.seed, info.index, x) if self.stochastic else None
         fast = functools.partial(self._pack_clean, key=key, axis=layout.reduced)
         slow = functools.partial(self._pack_any, key=key, axis=layout.reduced)
-        if isinstance(clean, jax.core.Tracer):
-            packed = lax.cond(clean, fast, slow, groups, lo, hi)
-        else:  # eager: a `cond` of these fresh branches would be compiled anew per call
-            packed = (fast if clean else slow)(groups, lo, hi)
+        packed = _cond(clean, fast, slow, groups, lo, hi)
         # Codes keep the residual's layout (`[..., last]`, or `[..., last * bits / 8]`
         # bytes, the last axis padded to whole groups when it must be) and scales
         # its axes with the grouped one divided by the group size: under `jit` with
@@ -206,10 +203,7 @@ class Quantize(Policy):
         which no NaN escapes whatever the order of its additions, shows one after all."""
         exact = functools.partial(_finite_range, axis=axis)
         check = jnp.isfinite(jnp.sum(groups))  # a finite sum that overflows costs time only
-        if isinstance(check, jax.core.Tracer):
-            lo, hi, broken = lax.cond(check, _with_zero, exact, groups, lo, hi)
-        else:
-            lo, hi, broken = (_with_zero if check else exact)(groups, lo, hi)
+        lo, hi, broken = _cond(check, _with_zero, exact, groups, lo, hi)
         return self._codes(groups, lo, hi, broken, key)
 
     def _pack_any(self, groups, lo, hi, key, axis):
@@ -268,6 +262,14 @@ class Quantize(Policy):
         values = (codes.astype(jnp.float32) - zero) * jnp.abs(scale)
         values = jnp.where(jnp.signbit(scale) & (codes == 0), jnp.nan, values)
         return layout.merge(values).astype(info.dtype)
+
+
+def _cond(pred, true_fun, false_fun, *operands):
+    """`lax.cond` when tracing; eagerly, the branch itself (a `cond` of fresh branches
+    would be compiled anew on every call)."""
+    if isinstance(pred, jax.core.Tracer):
+        return lax.cond(pred, true_fun, false_fun, *operands)
+    return (true_fun if pred else false_fun)(*operands)
 
 
 def _with_zero(groups, lo, hi):
