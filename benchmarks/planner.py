@@ -4,7 +4,8 @@ For each model, one planner (`residual.plan_sweep`) plans:
 
 - the budgets 0.25, 0.5, 0.75 of plain `jax.grad`'s temp memory and the least memory;
 - a 10-point sweep (0.1 to 1.0), which must be monotone: a smaller budget never gets
-  a larger compiled memory nor a faster step (as the planner timed it);
+  a larger compiled memory nor a faster step (as the planner timed it), but within
+  5% of timing noise, where the larger budget's plan is more accurate;
 - the compiled memory of each single policy of `benchmarks/speed.py` chosen by hand
   (bytes), to compare the plan with that policy at equal or lower memory.
 
@@ -134,8 +135,12 @@ def _monotone(name, sweep, start, plain) -> list[str]:
     cost = [p.step_seconds for _, p in points]
     print("  10-point sweep (budget: reached): " + ", ".join(
         f"{b}: {m:.2f}x" for (b, _), m in zip(points, memory)))
+    errors = [p.grad_error or 0.0 for _, p in points]
+    # A larger budget's plan may step slower only within the planner's timing tie, and
+    # then only to be more accurate.
     ok = all(a <= b + 1e-12 for a, b in itertools.pairwise(memory)) and all(
-        a >= b - 1e-15 for a, b in itertools.pairwise(cost))
+        b <= a or (b <= (1 + _plan._TIME_TIE) * a and eb < ea)
+        for (a, ea), (b, eb) in itertools.pairwise(zip(cost, errors)))
     return [] if ok else [f"{name}: sweep not monotone"]
 
 

@@ -445,9 +445,10 @@ def plan_sweep(
     program are measured once for all budgets. The plans are made monotone: a smaller
     budget never gets a plan of larger compiled memory (it takes the larger budget's
     plan, which fits it too), and a larger budget never a slower one (it takes the
-    smaller budget's plan): slower by measured step time, or by predicted time when
-    the arguments are shapes only. A budget no plan reaches is listed with the
-    reason instead of a plan.
+    smaller budget's plan): slower by measured step time beyond 5% of timing noise
+    (within it, the more accurate plan stays), or by predicted time when the
+    arguments are shapes only. A budget no plan reaches is listed with the reason
+    instead of a plan.
 
     Returns:
         A `PlanSweep`: `sweep.plans` (a `Plan` or `None` per budget), `print(sweep)`
@@ -491,9 +492,11 @@ def plan_sweep(
     for i, j in reversed(list(itertools.pairwise(feasible))):
         if plans[i].memory > plans[j].memory:
             plans[i] = dataclasses.replace(plans[j], budget=targets[i])
-    # Larger budgets are never slower: the smaller budget's plan fits them too.
+    # Larger budgets are never slower: the smaller budget's plan fits them too, and is
+    # taken when `plan` would prefer it (faster beyond timing noise, or as fast and more
+    # accurate).
     for i, j in itertools.pairwise(feasible):
-        if _slowness(plans[j]) > _slowness(plans[i]):
+        if _preferred(plans[i], plans[j]) is plans[i]:
             plans[j] = dataclasses.replace(plans[i], budget=targets[j])
     return PlanSweep(tuple(budgets), tuple(plans), tuple(reasons), planner.plain,
                      planner.compiles, time.perf_counter() - start)
@@ -533,10 +536,15 @@ class PlanSweep:
                 f"{'' if overhead is None else f'{100 * overhead:7.1f}%':>8s}  "
                 f"{'' if p.grad_error is None else f'{p.grad_error:.2e}':>10s}"
             )
-        timed = all(p.step_seconds is not None for p in self.plans if p is not None)
         lines.append(f"memory: compiled jit(grad) temp memory, of plain {_mib(self.plain_memory)}; "
-                     f"overhead: {'measured' if timed else 'predicted'}, of a plain step")
+                     f"overhead: {self._overhead_kind}, of a plain step")
         return "\n".join(lines)
+
+    @property
+    def _overhead_kind(self) -> str:
+        """'measured' when every plan's step was timed (values given), else 'predicted'."""
+        timed = all(p.step_seconds is not None for p in self.plans if p is not None)
+        return "measured" if timed else "predicted"
 
     def plot(self):
         """A matplotlib figure: compiled memory against step overhead (measured, or
@@ -569,8 +577,7 @@ class PlanSweep:
                         textcoords="offset points")
         fig.colorbar(dots, ax=ax, label="gradient error (relative)")
         ax.set_xlabel("compiled memory / plain jax.grad")
-        timed = all(p.step_seconds is not None for _, p in points)
-        ax.set_ylabel(f"{'measured' if timed else 'predicted'} step overhead (%)")
+        ax.set_ylabel(f"{self._overhead_kind} step overhead (%)")
         ax.set_title("Plans: memory, time and error")
         fig.tight_layout()
         return fig
@@ -584,9 +591,15 @@ def _overhead(plan: Plan) -> float | None:
     return plan.predicted_step_overhead
 
 
-def _slowness(plan: Plan) -> float:
-    """What orders plans by speed: measured step seconds, else predicted extra seconds."""
-    return plan.predicted_seconds if plan.step_seconds is None else plan.step_seconds
+def _preferred(a: Plan, b: Plan) -> Plan:
+    """Of two plans that both fit, the one `plan` returns: the faster by measured step
+    time, where steps within `_TIME_TIE` of each other are as fast and the more accurate
+    (then the smaller) wins; by predicted time for shapes only."""
+    if a.step_seconds is None or b.step_seconds is None:
+        return min((a, b), key=lambda p: (p.predicted_seconds, p.memory))
+    fastest = min(a.step_seconds, b.step_seconds)
+    ties = [p for p in (a, b) if p.step_seconds <= (1 + _TIME_TIE) * fastest]
+    return min(ties, key=lambda p: (p.grad_error or 0.0, p.memory, p.step_seconds))
 
 
 def _check_loss(loss: Any, example_args: tuple) -> None:
@@ -711,6 +724,8 @@ class _Planner:
         self.plain = self.memory(None)
         self.groups = self._groups()
         self._costs()
+        # Keeping everything steps as plain does: timing it would only add noise.
+        self._step_ratio[self._choice_plan({})] = 1.0
 
     # Compiled programs -------------------------------------------------------
 
@@ -1099,8 +1114,6 @@ class _Planner:
         plain_seconds = self._plain_seconds()
         step_seconds = None
         if self.concrete:
-            if result == self._choice_plan({}):
-                self._step_ratio.setdefault(result, 1.0)  # keeping everything is plain
             self._time_steps([result])
             step_seconds = self._step_ratio[result] * plain_seconds
         return dataclasses.replace(result, memory=memory, budget=target, grad_error=grad_error,

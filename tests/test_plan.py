@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import residual
-from residual._plan import Decision, Plan, _check_budget, _code_key
+from residual._plan import _TIME_TIE, Decision, Plan, _check_budget, _code_key
 from residual._record import recording
 from residual.policies import Identity
 
@@ -206,7 +206,11 @@ def test_sweep_is_monotone():
     for (b1, p1), (b2, p2) in itertools.pairwise(feasible):
         assert b1 < b2
         assert p1.memory <= p2.memory
-        assert p1.step_seconds >= p2.step_seconds  # measured, as the sweep orders them
+        # Measured, as the sweep orders them: a larger budget's plan is slower only
+        # within the planner's timing tie, and then more accurate.
+        if p2.step_seconds > p1.step_seconds:
+            assert p2.step_seconds <= (1 + _TIME_TIE) * p1.step_seconds
+            assert p2.grad_error < p1.grad_error
     for b, p in feasible:
         assert p.memory <= b * sweep.plain_memory
     least = sweep.plans[-1]

@@ -201,3 +201,22 @@ def test_save_on_cpu_with_several_devices(pin_memory):
         text = jax.jit(hooked).lower(params, x).compile().as_text()
     plain = jax.jit(jax.grad(mlp)).lower(params, x).compile().as_text()
     assert _collectives(text)["all-gather"] <= _collectives(plain)["all-gather"]
+
+
+def test_plan_of_sharded_arguments_budgets_per_device_memory():
+    _, params, x = _setup("tensor", 1024)
+    plan = residual.plan(mlp, params, x, budget=0.9)
+    step = jax.jit(jax.grad(residual.with_hooks(mlp, policy=plan)))
+    plain = jax.jit(jax.grad(mlp))
+    per_device = step.lower(params, x).compile().memory_analysis().temp_size_in_bytes
+    assert plan.memory == per_device <= 0.9 * plan.plain_memory
+    assert plan.plain_memory == plain.lower(params, x).compile().memory_analysis(
+        ).temp_size_in_bytes
+    one_device = [np.asarray(w) for w in params], np.asarray(x)
+    assert plan.plain_memory < 0.75 * plain.lower(*one_device).compile().memory_analysis(
+        ).temp_size_in_bytes
+    got, expected = step(params, x), plain(params, x)
+    for g, e in zip(got, expected):
+        assert g.sharding.is_equivalent_to(e.sharding, g.ndim)
+    assert _relative(np.concatenate([np.ravel(g) for g in got]),
+                     np.concatenate([np.ravel(e) for e in expected])) <= plan.max_grad_error
