@@ -50,19 +50,41 @@ MAX_GRAD_ERROR = 1e-2
 
 
 class Steps:
-    """Compiled steps and their paired step-time ratios to plain, measured once each."""
+    """Compiled steps and their paired step-time ratios to plain: measured once each for
+    the tables, and afresh, interleaved, for steps compared with each other (ratios taken
+    minutes apart drift by several percent on this machine)."""
 
     def __init__(self, loss, args, pairs):
         self.loss, self.args, self.pairs = loss, args, pairs
         self.plain = speed.compiled_step(loss, args)
         self._ratios: dict = {}
+        self._steps: dict = {}
+
+    def _step(self, policy):
+        if policy not in self._steps:
+            self._steps[policy] = speed.compiled_step(
+                residual.with_hooks(self.loss, policy=policy), self.args)
+        return self._steps[policy]
 
     def ratio(self, policy) -> float:
         if policy not in self._ratios:
-            step = speed.compiled_step(residual.with_hooks(self.loss, policy=policy), self.args)
-            ratios, _, _ = speed.paired_ratios(step, self.plain, self.args, self.pairs)
+            ratios, _, _ = speed.paired_ratios(self._step(policy), self.plain, self.args,
+                                               self.pairs)
             self._ratios[policy] = statistics.median(ratios)
         return self._ratios[policy]
+
+    def together(self, *policies) -> list[float]:
+        """Median step-time ratios to plain of `policies`, each step timed right after
+        a plain one, the policies in turn in each of `pairs` rounds."""
+        steps = [self._step(p) for p in policies]
+        for step in (self.plain, *steps):
+            jax.block_until_ready(step(*self.args))  # warm-up
+        ratios: list[list[float]] = [[] for _ in steps]
+        for _ in range(self.pairs):
+            for i, step in enumerate(steps):
+                plain = speed.seconds(self.plain, self.args)
+                ratios[i].append(speed.seconds(step, self.args) / plain)
+        return [statistics.median(r) for r in ratios]
 
 
 def relative_error(loss, policy, args) -> float:
@@ -167,9 +189,9 @@ def _against_hand_picked(name, loss, args, sweep, hand, plain, steps) -> list[st
             if error <= MAX_GRAD_ERROR:
                 missed.append(f"{name}: no plan at {label}'s memory")
             continue
-        step = steps.ratio(plan)
-        print(line + f"{plan.memory / plain:.2f}x {step:5.2f}x {plan.grad_error or 0:8.1e}")
-        theirs = steps.ratio(policy)
+        step, theirs = steps.together(plan, policy)
+        print(line + f"{plan.memory / plain:.2f}x {step:5.2f}x {plan.grad_error or 0:8.1e}"
+              f"   (timed together: policy {theirs:.2f}x)")
         if error <= MAX_GRAD_ERROR and step > theirs * 1.05:
             missed.append(f"{name}: plan slower than {label} at its memory "
                           f"({step:.2f}x vs {theirs:.2f}x)")
@@ -219,8 +241,8 @@ def _against_exhaustive(name, loss, args, steps, limit: int = 600) -> list[str]:
             print(f"    {budget:.2f}x: the plan is refused, the optimum fits")
             missed.append(f"{name}: {budget}x refused, a combination fits")
             continue
-        best = min(steps.ratio(c) for _, c in fits[:3])
-        got = steps.ratio(plan)
+        got, *cheapest = steps.together(plan, *(c for _, c in fits[:3]))
+        best = min(cheapest)
         print(f"    {budget:.2f}x: predicted: optimum {_ms(fits[0][0])}, plan "
               f"{_ms(plan.predicted_seconds)}; step: best of the 3 cheapest {best:.2f}x, "
               f"plan {got:.2f}x")
