@@ -445,14 +445,16 @@ def plan_sweep(
     program are measured once for all budgets. The plans are made monotone: a smaller
     budget never gets a plan of larger compiled memory (it takes the larger budget's
     plan, which fits it too), and a larger budget never a slower one (it takes the
-    smaller budget's plan): slower by measured step time beyond 5% of timing noise
-    (within it, the more accurate plan stays), or by predicted time when the
-    arguments are shapes only. A budget no plan reaches is listed with the reason
-    instead of a plan.
+    smaller budget's plan). Slower is by measured step time, where steps within 5% of
+    each other count as equally fast (timing noise) and the more accurate, then the
+    smaller, plan is preferred; a larger budget's plan is never more than 5% slower
+    than any smaller budget's. With shapes only, slower is by predicted time. A budget
+    no plan reaches is listed with the reason instead of a plan.
 
     Returns:
         A `PlanSweep`: `sweep.plans` (a `Plan` or `None` per budget), `print(sweep)`
-        for a table, `sweep.plot()` for memory against predicted time and error.
+        for a table, `sweep.plot()` for memory against step time (measured, else
+        predicted) and error.
 
     Raises:
         TypeError, ValueError: as `residual.plan`, for its arguments and each budget.
@@ -487,19 +489,32 @@ def plan_sweep(
             plans[i] = planner.run(requested[i])
         except ValueError as e:
             reasons[i] = str(e)
-    feasible = [i for i in order if plans[i] is not None]
-    # Smaller budgets never use more memory: the larger budget's plan fits them too.
-    for i, j in reversed(list(itertools.pairwise(feasible))):
-        if plans[i].memory > plans[j].memory:
-            plans[i] = dataclasses.replace(plans[j], budget=targets[i])
-    # Larger budgets are never slower: the smaller budget's plan fits them too, and is
-    # taken when `plan` would prefer it (faster beyond timing noise, or as fast and more
-    # accurate).
-    for i, j in itertools.pairwise(feasible):
-        if _preferred(plans[i], plans[j]) is plans[i]:
-            plans[j] = dataclasses.replace(plans[i], budget=targets[j])
+    _make_monotone(plans, [i for i in order if plans[i] is not None], targets)
     return PlanSweep(tuple(budgets), tuple(plans), tuple(reasons), planner.plain,
                      planner.compiles, time.perf_counter() - start)
+
+
+def _make_monotone(plans: list, ascending: list[int], targets: list) -> None:
+    """Gives the plans at `ascending` (indices of budgets, smallest first) monotone
+    memory and step time, in place, each taking a plan that fits its budget.
+
+    A smaller budget never uses more memory: it takes the larger budget's plan, which
+    fits it too. A larger budget takes the smaller budget's plan when `plan` would
+    prefer that one (`_preferred`), or when its own steps more than `_TIME_TIE` slower
+    than the fastest plan of any smaller budget: a step up may be slower by at most that
+    much, so the allowance does not add up along the sweep.
+    """
+    for i, j in reversed(list(itertools.pairwise(ascending))):
+        if plans[i].memory > plans[j].memory:
+            plans[i] = dataclasses.replace(plans[j], budget=targets[i])
+    fastest = math.inf  # step seconds of the fastest plan so far (timed plans only)
+    for i, j in itertools.pairwise(ascending):
+        if plans[i].step_seconds is not None:
+            fastest = min(fastest, plans[i].step_seconds)
+        slow = plans[j].step_seconds is not None and (
+            plans[j].step_seconds > (1 + _TIME_TIE) * fastest)
+        if slow or _preferred(plans[i], plans[j]) is plans[i]:
+            plans[j] = dataclasses.replace(plans[i], budget=targets[j])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -543,7 +558,8 @@ class PlanSweep:
     @property
     def _overhead_kind(self) -> str:
         """'measured' when every plan's step was timed (values given), else 'predicted'."""
-        timed = all(p.step_seconds is not None for p in self.plans if p is not None)
+        plans = [p for p in self.plans if p is not None]
+        timed = plans and all(p.step_seconds is not None for p in plans)
         return "measured" if timed else "predicted"
 
     def plot(self):

@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 
 import residual
-from residual._plan import _TIME_TIE, Decision, Plan, _check_budget, _code_key
+from residual._plan import (
+    _TIME_TIE,
+    Decision,
+    Plan,
+    _check_budget,
+    _code_key,
+    _make_monotone,
+)
 from residual._record import recording
 from residual.policies import Identity
 
@@ -181,6 +188,7 @@ def test_budget_at_or_above_plain_keeps_everything():
     p = residual.plan(scan_mlp, *args, budget=1.0)
     assert all(d.action == "keep" for d in p.decisions)
     assert p.memory == p.plain_memory and p.grad_error == 0
+    assert p.step_seconds == p.plain_step_seconds  # plain's own program, not timed again
     assert tree_equal(_grad(scan_mlp, p)(*args), _grad(scan_mlp)(*args))
 
 
@@ -209,8 +217,10 @@ def test_sweep_is_monotone():
         # Measured, as the sweep orders them: a larger budget's plan is slower only
         # within the planner's timing tie, and then more accurate.
         if p2.step_seconds > p1.step_seconds:
-            assert p2.step_seconds <= (1 + _TIME_TIE) * p1.step_seconds
             assert p2.grad_error < p1.grad_error
+    for k, (_, p) in enumerate(feasible[1:], 1):
+        fastest = min(q.step_seconds for _, q in feasible[:k])
+        assert p.step_seconds <= (1 + _TIME_TIE) * fastest
     for b, p in feasible:
         assert p.memory <= b * sweep.plain_memory
     least = sweep.plans[-1]
@@ -218,6 +228,29 @@ def test_sweep_is_monotone():
     for reason, p in zip(sweep.reasons, sweep.plans):
         assert (reason is None) == (p is not None)
     assert "budget" in str(sweep)
+
+
+def _timed(budget: int, seconds: float, error: float) -> Plan:
+    return Plan(memory=budget, budget=budget, step_seconds=seconds, grad_error=error)
+
+
+def test_sweep_step_allowance_does_not_add_up():
+    # Each plan is within 5% of the next smaller budget's and more accurate: alone, each
+    # step up is a tie the more accurate plan wins, but the largest budget would be 12%
+    # slower than the smallest.
+    plans = [_timed(30, 1.00, 4e-3), _timed(40, 1.04, 3e-3), _timed(50, 1.08, 2e-3),
+             _timed(60, 1.12, 1e-3)]
+    _make_monotone(plans, [0, 1, 2, 3], [30, 40, 50, 60])
+    assert [p.memory for p in plans] == [30, 40, 40, 40]
+    assert [p.budget for p in plans] == [30, 40, 50, 60]
+    # Faster by more than the tie: the smaller budget's plan is taken, whatever its error.
+    plans = [_timed(30, 1.00, 4e-3), _timed(40, 1.10, 0.0)]
+    _make_monotone(plans, [0, 1], [30, 40])
+    assert plans[1].memory == 30
+    # A smaller budget whose plan uses more memory takes the larger budget's.
+    plans = [_timed(50, 1.00, 0.0), _timed(40, 1.00, 0.0)]
+    _make_monotone(plans, [0, 1], [50, 60])
+    assert plans[0].memory == 40 and plans[0].budget == 50
 
 
 def test_sweep_plot():
