@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from . import _jax_private as jp
 from ._plans import Decision, Handoff, RecomputePlan, Restores, Stores, as_array, decide
@@ -178,8 +179,26 @@ def _run_backward(restores: Restores, cts: list, *, ordered: bool) -> list:
                  if not isinstance(v, jp.Literal) and v in env and v not in constant]
         tie = next((x for x in known if x.size and jnp.issubdtype(x.dtype, jnp.inexact)),
                    None) if ordered else None
-        outs = jp.bind_equation(eqn, [read(v, tie) for v in eqn.invars])
+        invals = [read(v, tie) for v in eqn.invars]
+        if (axis := jp.stack_axis(eqn)) is not None:
+            with jp.name_stack_context(eqn):
+                outs = [_stacked(invals, axis)]
+        else:
+            outs = jp.bind_equation(eqn, invals)
         env.update(zip(eqn.outvars, outs))
         if all(isinstance(v, jp.Literal) or v in constant for v in eqn.invars):
             constant.update(eqn.outvars)
     return [read(v, None) for v in jaxpr.outvars]
+
+
+def _stacked(values: Sequence[Any], axis: int) -> Any:
+    """`stack(values, axis)` (how the backward of `unstack` assembles its cotangent).
+
+    The same values and, unbatched, the same XLA program (`stack` is lowered to
+    this), but batched otherwise: `stack`'s batching rule puts the stacked axis in
+    front of the batch axis, so under `vmap` of a gradient whose stacked weights are
+    shared (per-example gradients) the result must be transposed afterwards, which
+    XLA does in a temporary as large as the whole weight gradient, at the end of the
+    backward, when memory peaks. A concatenate keeps the batch axis in front.
+    """
+    return lax.concatenate([lax.expand_dims(v, (axis,)) for v in values], axis)

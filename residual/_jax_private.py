@@ -284,3 +284,10 @@ def is_staged() -> bool:
             return True
         trace = getattr(trace, "parent_trace", None)
     return False
+
+
+def stack_axis(eqn: JaxprEqn) -> int | None:
+    """The axis of a `stack` equation (the transpose of `unstack`), or None for any other."""
+    if eqn.primitive is _lax.stack_p:
+        return eqn.params["axis"]
+    return None

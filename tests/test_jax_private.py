@@ -212,3 +212,16 @@ def test_is_staged_under_jit_and_scan_not_under_eager_grad_or_vmap():
     jax.make_jaxpr(probe)(jnp.ones(3))  # another shape: jit's trace is not reused
     lax.scan(lambda c, _: (probe(c), None), 1.0, None, length=2)
     assert seen == [True] * 4
+
+
+def test_stack_axis_finds_the_transpose_of_unstack():
+    # The backward of `unstack` stacks the cotangents of its slices.
+    def f(ws):
+        a, b, c = lax.unstack(ws, axis=1)
+        return jnp.sum(a * b * c)
+
+    backward = jax.make_jaxpr(jax.grad(f))(jnp.ones((2, 3)))
+    stacks = [e for e in backward.jaxpr.eqns if jp.stack_axis(e) is not None]
+    assert [jp.stack_axis(e) for e in stacks] == [1]
+    assert len(stacks[0].invars) == 3
+    assert jp.stack_axis(jax.make_jaxpr(jnp.sin)(1.0).jaxpr.eqns[0]) is None
