@@ -150,7 +150,7 @@ def test_vmap_of_grad_keeps_the_memory_saving(policy, model):
     # `unstack` (`for w in ws` from jax 0.11 on) get their per-example gradient
     # stacked in the backward; batched as `stack`, it was built in a temporary as
     # large as the whole weight gradient and transposed into place at the end of the
-    # backward, where memory peaks: 0.89x plain here, now 0.67x.
+    # backward, where memory peaks (0.89x plain here instead of 0.67x).
     ws, x = mlp_params(layers=6, width=128, batch=256)
     xs = jnp.stack([x, 0.5 * x, 2 * x, -x])
 
