@@ -613,9 +613,18 @@ def _preferred(a: Plan, b: Plan) -> Plan:
     (then the smaller) wins; by predicted time for shapes only."""
     if a.step_seconds is None or b.step_seconds is None:
         return min((a, b), key=lambda p: (p.predicted_seconds, p.memory))
-    fastest = min(a.step_seconds, b.step_seconds)
-    ties = [p for p in (a, b) if p.step_seconds <= (1 + _TIME_TIE) * fastest]
-    return min(ties, key=lambda p: (p.grad_error or 0.0, p.memory, p.step_seconds))
+    return _fastest_of((a, b), lambda p: p.step_seconds, lambda p: p.grad_error or 0.0,
+                       lambda p: p.memory)
+
+
+def _fastest_of(plans: Sequence[Plan], seconds: Callable, error: Callable,
+                memory: Callable) -> Plan:
+    """The fastest of `plans` by measured `seconds` (or ratios to plain): steps within
+    `_TIME_TIE` of the fastest count as as fast (timing noise), and of those the least
+    `error`, then the least `memory`, wins."""
+    fastest = min(map(seconds, plans))
+    ties = [p for p in plans if seconds(p) <= (1 + _TIME_TIE) * fastest]
+    return min(ties, key=lambda p: (error(p), memory(p), seconds(p)))
 
 
 def _check_loss(loss: Any, example_args: tuple) -> None:
@@ -1090,9 +1099,8 @@ class _Planner:
         finalists = ranked[:_FINALISTS] + [p for p in ranked[_FINALISTS:]
                                            if p in self._uniform or p in self._step_ratio]
         self._time_steps(finalists)
-        fastest = min(self._step_ratio[p] for p in finalists)
-        ties = [p for p in finalists if self._step_ratio[p] <= (1 + _TIME_TIE) * fastest]
-        return min(ties, key=lambda p: (self._error(p), self._memory[p], self._step_ratio[p]))
+        return _fastest_of(finalists, self._step_ratio.__getitem__, self._error,
+                           self._memory.__getitem__)
 
     def _time_steps(self, plans: list[Plan]) -> None:
         """Times the steps of `plans` not timed yet, each right after a plain step, in
