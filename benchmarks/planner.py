@@ -69,9 +69,7 @@ class Steps:
 
     def ratio(self, policy) -> float:
         if policy not in self._ratios:
-            ratios, _, _ = speed.paired_ratios(self._step(policy), self.plain, self.args,
-                                               self.pairs)
-            self._ratios[policy] = statistics.median(ratios)
+            self._ratios[policy] = self.together(policy)[0]
         return self._ratios[policy]
 
     def together(self, *policies) -> list[float]:
