@@ -11,6 +11,11 @@ PYTHON312 ?= $(or $(lastword $(wildcard $(shell pyenv root 2>/dev/null)/versions
 JAX_VENVS := .venv-jax011 .venv-jax012
 jax_version.venv-jax011 := 0.11.2
 jax_version.venv-jax012 := 0.12.0.1
+# The oldest flax each JAX release runs: the NNX tests run a second time on it, after
+# the suite has run on the newest flax pip gives.
+flax_oldest.venv := 0.12.7
+flax_oldest.venv-jax011 := 0.12.10
+flax_oldest.venv-jax012 := 0.12.10
 DEMO_STAMP := $(VENV)/.installed-demo
 # pytest-xdist workers for the tests: one per core; `0` runs them in pytest's own process
 # (as `make -j2 test-jax` does in CI, where the two suites already share the cores).
@@ -22,6 +27,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[test,docs,notebooks]"
+	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/flax-oldest "flax==$(flax_oldest$(VENV))"
 	touch $(STAMP)
 
 # The demo needs the package and its dependencies (jax, equinox, optax) only; pip shows
@@ -48,13 +54,16 @@ test: suite
 
 # The whole suite on one venv's JAX: lint, tests and doctests, the multi-device tests
 # (in a process of their own: they simulate 8 CPU devices, set before JAX starts), and
-# the notebooks.
+# the notebooks; then the flax NNX tests on the oldest flax this JAX runs.
 define suite
 	@$(1)/bin/python -c "import jax, sys; print(f'== jax {jax.__version__}, Python {sys.version.split()[0]}')"
 	$(1)/bin/python -m ruff check residual tests benchmarks
 	$(1)/bin/python -m pytest -n $(PYTEST_WORKERS) --durations=15 residual tests docs
 	$(1)/bin/python -m pytest tests/multidevice
 	$(1)/bin/python -m pytest --nbmake notebooks
+	PYTHONPATH=$(1)/flax-oldest $(1)/bin/python -c "import flax; print(f'== flax {flax.__version__}')"
+	PYTHONPATH=$(1)/flax-oldest $(1)/bin/python -m pytest -n $(PYTEST_WORKERS) -k nnx \
+		tests/test_nnx.py tests/test_libraries.py docs/guides/flax-nnx.md
 endef
 
 suite: $(STAMP)
@@ -71,6 +80,8 @@ $(JAX_VENVS:%=%/.installed): pyproject.toml
 	$(@D)/bin/python -m pip install --quiet --upgrade pip
 	$(@D)/bin/python -m pip install -e ".[test,notebooks]" \
 		"jax==$(jax_version$(@D))" "jaxlib==$(jax_version$(@D))"
+	$(@D)/bin/python -m pip install --quiet --no-deps --upgrade --target $(@D)/flax-oldest \
+		"flax==$(flax_oldest$(@D))"
 	touch $@
 
 bench: $(STAMP)

@@ -1,11 +1,13 @@
-"""flax NNX modules as arguments of a hooked function: their state updates reach the caller.
+"""flax NNX objects as arguments of a hooked function: `f`'s in-place updates reach them.
 
 `with_hooks` traces `f` on copies of its arguments, as `jax.jit` does, so the in-place
 updates an NNX module makes (BatchNorm statistics, dropout RNG counts) would stay in
 the copies and be lost. `nnx.grad` and `nnx.jit` carry them out; so does this: the
-modules' state goes in as a pytree, the non-parameter state comes out as outputs, and
-`nnx.update` writes it back. flax is never imported here: a program whose arguments
-hold NNX objects has imported it already.
+objects' state goes in as a pytree, the Variables `f` changed come out as outputs, and
+`nnx.update` writes them into the caller's objects. Only those: a Variable `f` leaves
+alone (the `State` of the functional pattern `nnx.merge(graphdef, state, copy=True)`)
+is never written, so none is written into a trace it does not belong to. flax is never
+imported here: a program whose arguments hold NNX objects has imported it already.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ class _Slot:
 def call_with_state_updates(call: Callable, f: Callable, args: tuple, kwargs: dict) -> Any:
     """`call(f, args, kwargs)`, with NNX objects among the arguments passed as state.
 
-    `call` is the hooked call of a pure function; NNX modules and variables among
-    `args`/`kwargs` go in as their state and come back updated.
+    `call` is the hooked call of a pure function; NNX modules and Variables among
+    `args`/`kwargs` (bare, or inside a `State`) go in as their state, and the
+    Variables `f` assigned to come back and are written into the caller's objects.
     """
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
@@ -60,8 +63,13 @@ def call_with_state_updates(call: Callable, f: Callable, args: tuple, kwargs: di
             lambda x: copies[x.index] if isinstance(x, _Slot) else x, slotted,
             is_leaf=lambda x: isinstance(x, _Slot),
         )
-        return f(*a, **k), nnx.state(copies, nnx.Not(nnx.Param))
+        out = f(*a, **k)
+        # A Variable `f` did not assign to still holds the very value it was given.
+        before = {path: variable.get_value() for path, variable in nnx.to_flat_state(state)}
+        changed = lambda path, variable: before.get(path) is not variable.get_value()  # noqa: E731
+        return out, nnx.state(copies, changed)
 
     out, updates = call(pure, (state, slotted), {})
-    nnx.update(nodes, updates)
+    if jax.tree.leaves(updates):
+        nnx.update(nodes, updates)
     return out

@@ -52,6 +52,14 @@ def relative_error(approx, exact) -> float:
     return max(errs)
 
 
+def relative_l2(got, expected) -> float:
+    """||got - expected|| / ||expected|| over all leaves together."""
+    num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(jax.tree.leaves(got),
+                                                            jax.tree.leaves(expected)))
+    den = sum(float(jnp.sum(b**2)) for b in jax.tree.leaves(expected))
+    return (num / den) ** 0.5
+
+
 def scan_mlp(ws, x):
     """A tanh MLP as a `lax.scan` over stacked layer weights."""
 

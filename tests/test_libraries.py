@@ -20,7 +20,7 @@ from flax import nnx
 import residual
 from residual import policies as rp
 
-from .helpers import tree_allclose, tree_equal
+from .helpers import relative_l2, tree_allclose, tree_equal
 
 IDENTITY = rp.Identity()
 BF16 = rp.Cast(jnp.bfloat16)
@@ -35,14 +35,6 @@ def _standard_promotion():
     # strict mode the other tests run under would stop them before any hook runs.
     with jax.numpy_dtype_promotion("standard"):
         yield
-
-
-def relative_l2(got, expected) -> float:
-    """||got - expected|| / ||expected|| over all leaves together."""
-    num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(jax.tree.leaves(got),
-                                                            jax.tree.leaves(expected)))
-    den = sum(float(jnp.sum(b**2)) for b in jax.tree.leaves(expected))
-    return (num / den) ** 0.5
 
 
 def compiled_grad(fn, *args):
