@@ -27,7 +27,8 @@ class ResidualInfo:
             (a typed PRNG key such as `key<fry>`, `float0`) for residuals no policy
             packs.
         primitive: name of the JAX primitive that produced it (`"tanh"`,
-            `"dot_general"`, ...), or `None` when it is an input of the hooked function.
+            `"dot_general"`, ...), or `None` when it is an input of the hooked function
+            (`is_input`) or a constant of it (an array it closes over).
         source: `"file.py:12 (function)"` of the innermost code that produced it (a
             library's line for a residual made inside a library's layer), or `None`.
         frames: every frame on the call stack that produced it, innermost first, in
@@ -74,7 +75,8 @@ class ResidualInfo:
 
     def describe(self) -> str:
         """One line naming the residual, used in error messages and notes."""
-        what = "input" if self.primitive is None else f"output of `{self.primitive}`"
+        what = (f"output of `{self.primitive}`" if self.primitive is not None
+                else "input" if self.is_input else "constant")
         if self.derivative_of is not None:
             what += f" in the derivative of `{self.derivative_of}`"
         where = f" at {self.source}" if self.source else ""

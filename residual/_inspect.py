@@ -42,6 +42,7 @@ class Row:
     policy: str
     how: str
     stored_bytes: int
+    is_input: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -53,7 +54,8 @@ class Row:
 HOW = {
     "kept": "stored as it is",
     "packed": "stored as what the policy's `pack` returned",
-    "derived": "not stored: recomputed in the backward from other stored residuals",
+    "derived": "not stored: recomputed in the backward from other stored residuals or "
+               "from constants",
     "view": "not stored apart: re-taken from an input that stays alive anyway",
     "recomputed": "not stored: recomputed in the backward from the nearest stored values",
 }
@@ -145,7 +147,7 @@ class Report:
             ("how", lambda r: r.how, False),
             ("stored", lambda r: _pair(r.total_bytes, r.stored_bytes)[1], False),
             ("policy", lambda r: r.policy, True),
-            ("op", lambda r: r.primitive or "(input)", False),
+            ("op", _op, False),
             ("scope", lambda r: r.scope, True),
             ("name", lambda r: r.name or "", True),
             ("source", lambda r: r.source or "", True),
@@ -203,11 +205,12 @@ class Report:
         `index` (the residual's number within its section, as error messages give
         it), `shape` and `dtype` (one iteration's), `nbytes` (one iteration's
         bytes), `iterations` (times stored: the scans' trip counts), `total_bytes`
-        (`nbytes * iterations`), `primitive` (`None` for an input), `source`
+        (`nbytes * iterations`), `primitive` (`None` for an input or a constant), `source`
         (`"model.py:12 (loss)"`, `"In[3]:4 (loss)"` in a notebook), `scope`
         (`jax.named_scope`s), `name` (`checkpoint_name`), `policy` (`"-"` when
         none applies), `how` (`"kept"`, `"packed"`, `"derived"`, `"view"`,
-        `"recomputed"`) and `stored_bytes` (all iterations).
+        `"recomputed"`), `stored_bytes` (all iterations) and `is_input` (whether it
+        is an input of the function).
 
         Examples:
             >>> import jax.numpy as jnp, residual
@@ -250,7 +253,7 @@ class Report:
             raise ValueError(f"`by` must be 'scope' or 'primitive', but got {by!r}.")
         groups: dict[str, list[int]] = {}
         for r in self.rows:
-            key = (getattr(r, by) or ("(input)" if by == "primitive" else "(top)"))
+            key = _op(r) if by == "primitive" else r.scope or "(top)"
             before, after = groups.setdefault(key, [0, 0])
             groups[key] = [before + r.total_bytes, after + r.stored_bytes]
         labels = list(groups)
@@ -451,8 +454,13 @@ def _row(record: Record, section: str, with_policy: bool) -> Row:
         dtype=dtype_name(info.dtype), nbytes=info.nbytes, iterations=record.iterations,
         primitive=info.primitive, source=_user_source(record), scope=info.scope,
         name=info.name, policy=_short(policy), how=record.how if with_policy else "kept",
-        stored_bytes=stored * record.iterations,
+        stored_bytes=stored * record.iterations, is_input=info.is_input,
     )
+
+
+def _op(row: Row) -> str:
+    """The primitive that made a row's residual, or what it is when no primitive did."""
+    return row.primitive or ("(input)" if row.is_input else "(constant)")
 
 
 def _user_source(record: Record) -> str | None:

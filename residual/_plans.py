@@ -47,7 +47,7 @@ def decide(
     residuals = analysis.residuals
     policies = [None if r.owned_by_inner else policy_for(r, base) for r in residuals]
     derived = set() if higher_order else _derivable(residuals, policies)
-    constants = {} if higher_order else _constants(analysis, policies)
+    constants = {} if higher_order else _constants(residuals, policies)
     # Once anything is packed the program is no longer JAX's own: views of
     # kept-alive inputs (`ws[i]`) are then re-taken in the backward, not stored, and
     # what is stored as it is gets read after the backward's own values.
@@ -136,37 +136,21 @@ def _derivable(residuals: Sequence[Residual], policies: Sequence[Policy | None])
     }
 
 
-def _constants(analysis: Analysis, policies: Sequence[Policy | None]
-               ) -> dict[int, tuple[Any, tuple[_Constant, ...]]]:
-    """Residuals computed from literals alone (the zeros `relu`'s derivative saves), by
-    index: the equation and its operands, to compute them again in the backward.
+def _constants(residuals: Sequence[Residual], policies: Sequence[Policy | None]
+               ) -> dict[int, tuple[Any, tuple[Any, ...]]]:
+    """Residuals computed from literals alone (the zeros `relu`'s or `where`'s derivative
+    saves), by index: the equation and its operands, to compute them again in the backward.
 
     Packed, such a residual is a full-size float the forward materializes (XLA keeps
     the broadcast of a constant alive from the start of the program) only to store a
     packed copy of a constant; without hooks, XLA fuses it into its use. Only for
     residuals a lossy policy would pack, as for `_derivable`.
     """
-    jaxpr = analysis.closed.jaxpr
-    residual_vars = jaxpr.outvars[analysis.num_outputs:]
-    wanted = {
-        var: r.info.index for var, r, p in zip(residual_vars, analysis.residuals, policies)
-        if p is not None and not p.lossless and not isinstance(p, FunctionHooks)
-        and not p.recompute and not isinstance(var, jp.Literal)
+    return {
+        r.info.index: r.constant for r, p in zip(residuals, policies)
+        if r.constant is not None and p is not None and not p.lossless
+        and not isinstance(p, FunctionHooks) and not p.recompute
     }
-    constants = {}
-    for eqn in jaxpr.eqns:
-        if (len(eqn.outvars) == 1 and eqn.outvars[0] in wanted and not jp.sub_jaxprs(eqn)
-                and all(isinstance(v, jp.Literal) for v in eqn.invars)):
-            constants[wanted[eqn.outvars[0]]] = (
-                eqn, tuple(_Constant(v.val) for v in eqn.invars))
-    return constants
-
-
-@dataclasses.dataclass(frozen=True)
-class _Constant:
-    """A literal operand of an equation `Derive` binds again."""
-
-    value: Any
 
 
 class Storage:

@@ -52,6 +52,9 @@ class Residual:
     # (view equations, input index) when it is a view of a kept-alive input that the
     # backward can take again instead of storing it.
     view: tuple[tuple[Any, ...], int] | None = None
+    # (equation, literal operands) when it is computed from literals alone (the zeros
+    # `where`'s derivative saves), in the function or inside a call in it.
+    constant: tuple[Any, tuple[Any, ...]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +143,7 @@ def _derivation(var: Any, index: int, producers: dict, index_of: dict[Any, int]
     operands = []
     for v in eqn.invars:
         if isinstance(v, jp.Literal):
-            operands.append(_LiteralOperand(v.val))
+            operands.append(LiteralOperand(v.val))
         elif index_of.get(v, index) != index:
             operands.append(index_of[v])
         else:
@@ -151,7 +154,9 @@ def _derivation(var: Any, index: int, producers: dict, index_of: dict[Any, int]
 
 
 @dataclasses.dataclass(frozen=True)
-class _LiteralOperand:
+class LiteralOperand:
+    """A literal operand of an equation that `Derive` binds again in the backward."""
+
     value: Any
 
 
@@ -197,7 +202,16 @@ def _as_residual(index: int, var: Any, origin: _Provenance, kinds: Sequence[Inpu
     )
     region_policies = tuple(policy_of_marker(s) for s in origin.scopes if is_marker(s))
     hookable = numeric and not origin.literal and not origin.packed
-    return Residual(info, region_policies, hookable, origin.packed, origin.input_index)
+    return Residual(info, region_policies, hookable, origin.packed, origin.input_index,
+                    constant=_constant(origin.eqn))
+
+
+def _constant(eqn: Any) -> tuple[Any, tuple[LiteralOperand, ...]] | None:
+    """`(eqn, operands)` when `eqn` computes its one output from literals alone."""
+    if (eqn is None or len(eqn.outvars) != 1 or jp.sub_jaxprs(eqn)
+            or not all(isinstance(v, jp.Literal) for v in eqn.invars)):
+        return None
+    return eqn, tuple(LiteralOperand(v.val) for v in eqn.invars)
 
 
 class _DerivativeRules:
@@ -323,8 +337,9 @@ def _traced_into_bodies(eqn: Any, k: int, producers: dict, inputs_at: dict,
         inner_origin = _Provenance(scopes=[], in_scan=origin.in_scan or in_scan)
         inner_inputs = {v: i for i, v in enumerate(jaxpr.invars)}
         _trace_origin(jaxpr.outvars[out_index], _producers(jaxpr), inner_inputs, inner_origin)
-        # A `cond` branch may fill in zeros for another branch's residual.
-        if not (inner_origin.literal or inner_origin.zeros):
+        # A `cond` branch may fill in zeros for another branch's residual; in a
+        # single body (`jit`, `checkpoint`), a broadcast constant is the residual itself.
+        if not (inner_origin.literal or (inner_origin.zeros and len(bodies) > 1)):
             inner.append((inner_origin, operands))
     # Compared by identity: an operand may be a (unhashable) literal.
     forwarded = [_forwarded_operand(o, operands) for o, operands in inner]

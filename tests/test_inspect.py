@@ -13,7 +13,7 @@ import pytest
 
 import residual
 from residual import policies as rp
-from tests.helpers import mlp_params, scan_mlp, unrolled_mlp
+from tests.helpers import mlp_params, relative_error, scan_mlp, unrolled_mlp
 
 # What tanh's derivative saves: y (and 1 - y) on jax 0.10, 1 - y² from jax 0.11 on.
 _TANH = {"tanh", "one_minus_square"}
@@ -161,6 +161,41 @@ def test_report_says_how_each_residual_is_kept():
     remat = residual.inspect(scan_mlp, ws, x, policy=rp.Remat(), compiled=False)
     assert "recomputed" in {r.how for r in remat.rows}
     assert "recomputed: not stored" in str(remat)
+
+
+def test_report_names_constants_and_derives_them_instead_of_storing():
+    def attention(q, k, v):
+        return jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2)
+
+    args = [jax.random.normal(jax.random.key(i), (2, 128, 4, 32)) for i in range(3)]
+    policy = rp.Quantize(bits=8, min_bytes=0)
+    report = residual.inspect(attention, *args, policy=policy, compiled=False)
+    # Only the inputs are called inputs: `where`'s derivative saves a broadcast of zeros
+    # the shape of the attention logits, made inside jax's own `jit`.
+    assert {r.shape for r in report.rows if r.primitive is None} <= {(2, 128, 4, 32)}
+    zeros = [r for r in report.rows if r.shape == (1, 2, 4, 128, 128) and r.dtype == "float32"
+             and r.primitive == "broadcast_in_dim"]
+    assert len(zeros) == 1 and zeros[0].source.startswith("test_inspect.py:")
+    # A constant is made again in the backward, not stored, and the gradient is the
+    # one the policy gives the other residuals.
+    assert zeros[0].how == "derived" and zeros[0].stored_bytes == 0
+    expected = jax.grad(attention, argnums=(0, 1, 2))(*args)
+    got = jax.jit(jax.grad(residual.with_hooks(attention, policy=policy),
+                           argnums=(0, 1, 2)))(*args)
+    assert relative_error(got, expected) < 0.01
+    exact = jax.jit(jax.grad(residual.with_hooks(attention, policy=rp.Identity()),
+                             argnums=(0, 1, 2)))(*args)
+    assert relative_error(exact, expected) < 1e-6
+
+
+def test_report_says_constant_for_an_array_the_function_closes_over():
+    c = jax.random.normal(jax.random.key(0), (64, 64))
+    inner = jax.jit(lambda x: jnp.sin(x * c))
+    report = residual.inspect(lambda x: jnp.sum(inner(x)), jnp.ones((64, 64)),
+                              compiled=False)
+    constant = [r for r in report.rows if r.primitive is None]
+    assert len(constant) == 1 and not constant[0].is_input
+    assert "(constant)" in str(report) and "(input)" not in str(report)
 
 
 def test_report_sources_name_the_users_file_not_a_librarys():
