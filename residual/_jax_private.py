@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import config as _config
+from jax._src import hijax as _hijax
 from jax._src import source_info_util as _source_info
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
@@ -36,6 +38,16 @@ cond_p = _p.cond_p
 remat_p = _p.remat_p  # `jax.checkpoint`
 name_p = _p.name_p  # `jax.ad_checkpoint.checkpoint_name`
 broadcast_in_dim_p = _p.broadcast_in_dim_p
+# JAX's upgrade flags (`jax_remat3`, `jax_custom_vjp3`, ...) bind "high-level"
+# primitives: one `call_hi_primitive` equation whose `_prim` parameter is an object
+# (`RematTraced`, `CheckpointName`) holding the parameters. `kind` names either sort.
+call_hi_primitive_p = _hijax.call_hi_primitive_p
+# `jax.checkpoint` and `checkpoint_name`, with and without `jax_remat3`.
+REMATS = frozenset({remat_p, _ad_checkpoint.RematTraced})
+# (`CheckpointNameFwd` names a residual of a `custom_vjp`'s forward from jax 0.11 on.)
+NAMES = frozenset({name_p, _ad_checkpoint.CheckpointName}) | (
+    {_ad_checkpoint.CheckpointNameFwd} if hasattr(_ad_checkpoint, "CheckpointNameFwd") else set()
+)
 # Calls whose body `residual` inlines: `jit`, and `closed_call` (named `eval_jaxpr`
 # from jax 0.11 on, and used inside scan bodies there).
 CALLS = frozenset({_p.jit_p, _p.closed_call_p, _p.call_p})
@@ -57,6 +69,20 @@ CHEAP = frozenset({
     # What tanh's derivative saves from jax 0.11 on (1 - y²); jax 0.10 saves 1 - y.
     {_lax.one_minus_square_p} if hasattr(_lax, "one_minus_square_p") else set()
 )
+
+
+def kind(eqn: JaxprEqn) -> Any:
+    """What an equation applies: its primitive, or its high-level primitive's class."""
+    if eqn.primitive is call_hi_primitive_p:
+        return type(eqn.params["_prim"])
+    return eqn.primitive
+
+
+def params(eqn: JaxprEqn) -> dict[str, Any]:
+    """An equation's parameters, a high-level primitive's own ones included."""
+    if eqn.primitive is call_hi_primitive_p:
+        return eqn.params["_prim"].params
+    return eqn.params
 
 
 def closed(jaxpr: Jaxpr | ClosedJaxpr) -> ClosedJaxpr:
@@ -110,26 +136,34 @@ def call_body(eqn: JaxprEqn) -> ClosedJaxpr:
 class Remat:
     """A `jax.checkpoint` equation's body and the arguments that rebuild it."""
 
-    body: Jaxpr
+    body: ClosedJaxpr
     prevent_cse: bool
     policy: Any
 
 
 def remat_parts(eqn: JaxprEqn) -> Remat:
-    params = eqn.params
-    return Remat(params["jaxpr"], params["prevent_cse"], params["policy"])
+    """The parts of a `jax.checkpoint` equation (`remat`, or `RematTraced` with remat3)."""
+    p = params(eqn)
+    # jax 0.10's `RematTraced` has no `prevent_cse`: it always prevents it.
+    return Remat(closed(p["jaxpr"]), p.get("prevent_cse", True), p["policy"])
 
 
 def checkpoint_name_of(eqn: JaxprEqn) -> str:
-    """The tag of a `checkpoint_name` (`name_p`) equation."""
-    return eqn.params["name"]
+    """The tag of a `checkpoint_name` equation (`name_p`, or `CheckpointName`)."""
+    return params(eqn)["name"]
 
 
 def single_body(eqn: JaxprEqn) -> Jaxpr | None:
     """The body of a call-like equation (`jit`, `closed_call`, `checkpoint`, custom
-    derivatives) when it takes exactly the equation's operands; `None` otherwise."""
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        body = eqn.params.get(key)
+    derivatives) when it takes exactly the equation's operands; `None` otherwise.
+
+    Under `jax_custom_vjp3`/`jax_custom_jvp3` a custom derivative's primal is a traced
+    function (`traced`) whose `jaxpr` is the body.
+    """
+    p = params(eqn)
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr", "traced"):
+        body = p.get(key)
+        body = body.jaxpr if isinstance(body, jax.stages.Traced) else body
         body = getattr(body, "jaxpr", body)
         if isinstance(body, Jaxpr) and len(body.invars) == len(eqn.invars):
             return body
@@ -137,10 +171,15 @@ def single_body(eqn: JaxprEqn) -> Jaxpr | None:
 
 
 def sub_jaxprs(eqn: JaxprEqn) -> list[Jaxpr]:
-    """Every jaxpr held in an equation's parameters (bodies, branches)."""
+    """Every jaxpr held in an equation's parameters (bodies, branches).
+
+    A `custom_vjp`'s primal under `jax_custom_vjp3` is a traced function (`traced`),
+    whose jaxpr is its `jaxpr` attribute.
+    """
     subs = []
-    for value in eqn.params.values():
+    for value in params(eqn).values():
         for item in value if isinstance(value, (tuple, list)) else (value,):
+            item = item.jaxpr if isinstance(item, jax.stages.Traced) else item
             if isinstance(item, ClosedJaxpr):
                 subs.append(item.jaxpr)
             elif isinstance(item, Jaxpr):
@@ -291,3 +330,4 @@ def stack_axis(eqn: JaxprEqn) -> int | None:
     if eqn.primitive is _lax.stack_p:
         return eqn.params["axis"]
     return None
+

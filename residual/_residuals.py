@@ -316,7 +316,7 @@ def _looked_through(eqn: Any, k: int, origin: _Provenance) -> Any:
 
     What an inner hooked call stored (named `OWNED_NAME`) stops the walk: `packed`.
     """
-    if eqn.primitive is jp.name_p:  # `checkpoint_name`: note the tag, look through it
+    if jp.kind(eqn) in jp.NAMES:  # `checkpoint_name`: note the tag, look through it
         tag = jp.checkpoint_name_of(eqn)
         if tag == OWNED_NAME:
             origin.packed = True

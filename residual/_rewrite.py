@@ -45,7 +45,7 @@ def interpret(
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        rule = _rule(eqn.primitive)
+        rule = _rule(jp.kind(eqn))
         if rule is not None and contains_scan(eqn):
             eqn_scopes = (*scopes, *jp.scope_names(eqn))
             with jp.name_stack_context(eqn):
@@ -138,7 +138,8 @@ def _checkpoint(eqn: jp.JaxprEqn, invals: list[Any], base: Policy | None,
                 scopes: tuple[str, ...], iterations: int | None) -> list[Any]:
     remat = jp.remat_parts(eqn)
     region = functools.partial(
-        interpret, remat.body, (), base=base, scopes=scopes, iterations=iterations
+        interpret, remat.body.jaxpr, remat.body.consts, base=base, scopes=scopes,
+        iterations=iterations,
     )
     wrapped = jax.checkpoint(
         lambda *a: region(a), prevent_cse=remat.prevent_cse, policy=remat.policy
@@ -146,14 +147,14 @@ def _checkpoint(eqn: jp.JaxprEqn, invals: list[Any], base: Policy | None,
     return wrapped(*invals)
 
 
-def _rule(primitive: Any) -> Callable[..., list[Any]] | None:
-    """How `interpret` rebuilds an equation of `primitive` that contains a scan."""
-    if primitive is jp.scan_p:
+def _rule(kind: Any) -> Callable[..., list[Any]] | None:
+    """How `interpret` rebuilds an equation of this `jp.kind` that contains a scan."""
+    if kind is jp.scan_p:
         return _scan
-    if primitive is jp.cond_p:
+    if kind is jp.cond_p:
         return _cond
-    if primitive is jp.remat_p:
+    if kind in jp.REMATS:
         return _checkpoint
-    if primitive in jp.CALLS:
+    if kind in jp.CALLS:
         return _inline_call
     return None

@@ -15,6 +15,27 @@ def _strict_dtype_promotion():
     with jax.numpy_dtype_promotion("strict"):
         yield
 
+# JAX's opt-in flags that change what a jaxpr holds, each to become a default. CI runs
+# the whole suite a second time with them all on; tests taking `upgrade_flag` run with
+# each one alone.
+UPGRADE_FLAGS = ("jax_remat3", "jax_custom_vjp3", "jax_custom_jvp3")
+
+
+@pytest.fixture(params=UPGRADE_FLAGS)
+def upgrade_flag(request):
+    """Each upgrade flag turned on alone, on the JAX releases that support it."""
+    flag = request.param
+    if not hasattr(jax.config, flag) or jax.__version_info__ < (0, 11):
+        # jax 0.10's `jax_remat3` is an early form (it drops `prevent_cse`).
+        pytest.skip(f"`{flag}` is supported from jax 0.11 on, not on {jax.__version__}")
+    before = {f: getattr(jax.config, f) for f in UPGRADE_FLAGS if hasattr(jax.config, f)}
+    for f in before:
+        jax.config.update(f, f == flag)
+    yield flag
+    for f, value in before.items():
+        jax.config.update(f, value)
+
+
 # Property tests (tests/test_fuzz.py): a bounded profile for CI, a long one on request
 # with `RESIDUAL_FUZZ_PROFILE=long`. Programs are traced and compiled per example, so
 # there is no per-example deadline.

@@ -83,10 +83,13 @@ def test_cond_call_and_checkpoint_bodies():
     (call,) = [e for e in eqns if e.primitive in jp.CALLS]
     assert jp.jaxpr_as_fun(jp.call_body(call))(2.0)[0] == 6.0
     assert jp.single_body(call) is jp.call_body(call).jaxpr
-    (remat,) = [e for e in eqns if e.primitive is jp.remat_p]
+    (remat,) = [e for e in eqns if jp.kind(e) in jp.REMATS]
     parts = jp.remat_parts(remat)
-    assert parts.prevent_cse is False and parts.policy is jax.checkpoint_policies.nothing_saveable
-    assert [e.primitive.name for e in parts.body.eqns] == ["exp"]
+    # `jax_remat3` spells `nothing_saveable` as no policy: recompute everything.
+    assert parts.prevent_cse is False
+    assert parts.policy in (jax.checkpoint_policies.nothing_saveable, None)
+    assert [e.primitive.name for e in parts.body.jaxpr.eqns] == ["exp"]
+    assert jp.sub_jaxprs(remat) == [parts.body.jaxpr]
     assert len(jp.sub_jaxprs(cond)) == 2
 
 
@@ -102,7 +105,7 @@ def test_primitive_sets_match_what_jax_emits():
     views = {e.primitive.name for e in eqns if e.primitive in jp.VIEWS}
     assert {"transpose", "reshape", "slice"} <= views
     assert "unstack" in views or "squeeze" in views
-    (name,) = [e for e in eqns if e.primitive is jp.name_p]
+    (name,) = [e for e in eqns if jp.kind(e) in jp.NAMES]
     assert jp.checkpoint_name_of(name) == "tag"
     assert any(p in jp.IDENTITIES for p in prims)  # reduce_precision
     assert any(p in jp.CHEAP and p.name == "mul" for p in prims)
@@ -225,3 +228,42 @@ def test_stack_axis_finds_the_transpose_of_unstack():
     assert [jp.stack_axis(e) for e in stacks] == [1]
     assert len(stacks[0].invars) == 3
     assert jp.stack_axis(jax.make_jaxpr(jnp.sin)(1.0).jaxpr.eqns[0]) is None
+
+
+def test_checkpoint_and_names_are_known_under_every_upgrade_flag(upgrade_flag):
+    def f(x):
+        y = checkpoint_name(jnp.sin(x), "act")
+        return jax.checkpoint(lambda a: jnp.exp(a) * 2.0, prevent_cse=False)(y)
+
+    eqns = jax.make_jaxpr(f)(1.0).jaxpr.eqns
+    (name,) = [e for e in eqns if jp.kind(e) in jp.NAMES]
+    assert jp.checkpoint_name_of(name) == "act"
+    (remat,) = [e for e in eqns if jp.kind(e) in jp.REMATS]
+    parts = jp.remat_parts(remat)
+    assert parts.prevent_cse is False
+    assert [e.primitive.name for e in parts.body.jaxpr.eqns] == ["exp", "mul"]
+    assert jp.single_body(remat) is parts.body.jaxpr
+    if upgrade_flag == "jax_remat3":
+        assert name.primitive is jp.call_hi_primitive_p
+        assert remat.primitive is jp.call_hi_primitive_p
+
+
+def test_custom_derivative_bodies_are_found_under_every_upgrade_flag(upgrade_flag):
+    @jax.custom_vjp
+    def g(x):
+        return jnp.sin(x)
+
+    g.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, t: (c * t,))
+
+    @jax.custom_jvp
+    def h(x):
+        return jnp.tanh(x)
+
+    h.defjvp(lambda p, t: (jnp.tanh(p[0]), t[0] * (1 - jnp.tanh(p[0]) ** 2)))
+    eqns = jax.make_jaxpr(lambda x: h(g(x)))(1.0).jaxpr.eqns
+    assert len(eqns) == 2
+    bodies = [[e.primitive.name for sub in jp.sub_jaxprs(eqn) for e in sub.eqns] for eqn in eqns]
+    assert "sin" in bodies[0] and "tanh" in bodies[1], bodies
+    # The primal's body, which takes the equation's operands: what a residual made
+    # inside it is traced back through.
+    assert [e.primitive.name for e in jp.single_body(eqns[1]).eqns] == ["tanh"]
