@@ -21,7 +21,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 # (as `make -j2 test-jax` does in CI, where the two suites already share the cores).
 PYTEST_WORKERS ?= auto
 
-.PHONY: demo test suite test-jax lint docs bench clean
+.PHONY: demo test suite test-jax suite-upgrade-flags lint docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,11 +69,21 @@ endef
 suite: $(STAMP)
 	$(call suite,$(VENV))
 
-# The suite on every other supported JAX release; `make -j2 test-jax` runs them side by side.
-test-jax: $(JAX_VENVS:%=suite-%)
+# The suite on every other supported JAX release, and once more on the newest with JAX's
+# upgrade flags on; `make -j2 test-jax` runs them two at a time.
+test-jax: $(JAX_VENVS:%=suite-%) suite-upgrade-flags
 
 suite-%: %/.installed
 	$(call suite,$*)
+
+# JAX's opt-in flags that are to become its defaults and that plain `jax.grad` can
+# differentiate under (not `jax_scan3` yet): the day JAX flips one, the suite has passed.
+suite-upgrade-flags: export JAX_REMAT3 = 1
+suite-upgrade-flags: export JAX_CUSTOM_VJP3 = 1
+suite-upgrade-flags: export JAX_CUSTOM_JVP3 = 1
+suite-upgrade-flags: .venv-jax012/.installed
+	@echo "== JAX upgrade flags on: jax_remat3, jax_custom_vjp3, jax_custom_jvp3"
+	$(call suite,.venv-jax012)
 
 $(JAX_VENVS:%=%/.installed): pyproject.toml
 	test -x $(@D)/bin/python || $(PYTHON312) -m venv $(@D)

@@ -282,6 +282,25 @@ def test_linearize_and_jit_inside_and_outside():
     assert tree_allclose(jax.jit(jax.grad(_g()))(X), jax.grad(_f)(X))
 
 
+def test_fwd_and_bwd_hand_the_packed_residuals_between_the_two_passes():
+    ws, x = mlp_params(layers=3, width=32, batch=16)
+    policy = residual.policies.Quantize(bits=8, min_bytes=0)
+    fwd, bwd = jax.fwd_and_bwd(residual.with_hooks(scan_mlp, policy=policy), argnums=0)
+    y, residuals = fwd(ws, x)
+    leaves = jax.tree.leaves(residuals)
+    # The layers' activations travel as int8 codes, never as floats of their shape.
+    assert any(a.dtype == jnp.uint8 and a.shape == (3, 16, 32) for a in leaves)
+    assert not any(a.dtype == jnp.float32 and a.shape == (3, 16, 32) for a in leaves)
+    expected = jax.grad(scan_mlp)(ws, x)
+    error = jnp.linalg.norm(bwd(residuals, jnp.ones_like(y)) - expected) / jnp.linalg.norm(
+        expected)
+    assert 0 < error < 0.01
+    fwd, bwd = jax.fwd_and_bwd(residual.with_hooks(scan_mlp, policy=residual.policies.Identity()),
+                               argnums=0)
+    y, residuals = fwd(ws, x)
+    assert tree_allclose(bwd(residuals, jnp.ones_like(y)), expected)
+
+
 def test_vmap_of_grad_and_grad_of_vmap():
     xs = jnp.stack([X, 2 * X, -X])
     expected = jax.vmap(jax.grad(_f))(xs)
