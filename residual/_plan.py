@@ -311,13 +311,14 @@ class Plan(Policy):
         lines.append(f"predicted cost: {1e3 * self.predicted_seconds:.3f} ms per step"
                      + (f" ({100 * overhead:.1f}% of a plain step)" if overhead is not None
                         else ""))
+        kind = ("measured step" if self.target is None else
+                f"predicted step on {self.target} (roofline of the compiled program, not run)")
         if self.step_overhead is not None:
-            kind = ("measured step" if self.target is None else
-                    f"predicted step on {self.target} (roofline of the compiled program, "
-                    "not run)")
             lines.append(f"{kind}: {1e3 * self.step_seconds:.3g} ms, "
                          f"{100 * self.step_overhead:+.1f}% against plain "
                          f"{1e3 * self.plain_step_seconds:.3g} ms")
+        elif self.step_seconds is not None:  # plain jax.grad does not fit on the target
+            lines.append(f"{kind}: {1e3 * self.step_seconds:.3g} ms")
         if self.plain_memory is not None and self.memory is not None:
             asked = "least memory" if self.budget is None else f"budget {_mib(self.budget)}"
             lines.append(
@@ -1145,11 +1146,10 @@ class _Planner:
         within `_TIME_TIE` of the fastest are as fast: the most accurate of them wins."""
         ranked = sorted(fits, key=lambda p: (p.predicted_seconds, self._memory[p]))
         if self.where.chip is not None:  # nothing runs: every plan's step is predicted
-            ranked = [p for p in ranked if self._executables.get(p) is not None] or ranked
-            for p in ranked:
-                self._step_ratio[p] = self._step_seconds(p) / max(self._plain_seconds(),
-                                                                  1e-12)
-            return _fastest_of(ranked, self._step_ratio.__getitem__, self._error,
+            predicted = [p for p in ranked if self._step_seconds(p) is not None]
+            if not predicted:
+                return ranked[0]
+            return _fastest_of(predicted, self._step_seconds, self._error,
                                self._memory.__getitem__)
         if not self.concrete or len(ranked) == 1:
             return ranked[0]
@@ -1213,14 +1213,13 @@ class _Planner:
             self._measured[result] = _relative(got, self._plain_grad)
         return self._measured[result]
 
-    def _step_seconds(self, policy: Plan | None) -> float:
+    def _step_seconds(self, policy: Plan | None) -> float | None:
         """A step under `policy` on the target, predicted from its compiled program
-        (the plain step's when it did not compile: it does not fit either way)."""
+        (`None` when the target's compiler refused it for want of memory)."""
         if policy not in self._predicted:
             compiled = self.executable(policy)
             self._predicted[policy] = (
-                self.where.predicted_seconds(compiled) if compiled is not None
-                else self._step_seconds(None))
+                None if compiled is None else self.where.predicted_seconds(compiled))
         return self._predicted[policy]
 
     @functools.lru_cache(maxsize=1)  # noqa: B019 - one planner, one measurement

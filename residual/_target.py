@@ -32,7 +32,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from . import _jax_private as jp
 from ._errors import TargetUnavailableError
@@ -142,29 +142,38 @@ class Target:
         return Memory.of(self.compile(fn, args))
 
     def place(self, args: Any) -> Any:
-        """`args` as `jax.ShapeDtypeStruct`s whose shardings are on this target's devices."""
-        return jax.tree.map(self._placed, args)
+        """`args` as `jax.ShapeDtypeStruct`s whose shardings are on this target's devices:
+        a `NamedSharding` on the same mesh shape and axis names over the target's first
+        devices; an argument on one device (or none) on the target's first device, or
+        replicated over the mesh of the others when some are sharded (as `jax.jit`
+        places an uncommitted array next to sharded ones)."""
+        leaves, tree = jax.tree.flatten(args)
+        meshes = [self._mesh(s.mesh) for s in (getattr(x, "sharding", None) for x in leaves)
+                  if isinstance(s, NamedSharding)]
+        return jax.tree.unflatten(tree, [self._placed(x, meshes[0] if meshes else None)
+                                         for x in leaves])
 
-    def _placed(self, x: Any) -> jax.ShapeDtypeStruct:
+    def _placed(self, x: Any, mesh: Mesh | None) -> jax.ShapeDtypeStruct:
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             x = jax.numpy.asarray(x)
-        sharding = self._sharding(getattr(x, "sharding", None))
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding,
-                                    weak_type=bool(getattr(x, "weak_type", False)))
-
-    def _sharding(self, sharding: Any) -> jax.sharding.Sharding:
-        if sharding is None or isinstance(sharding, SingleDeviceSharding) or (
-                len(getattr(sharding, "device_set", ())) == 1
-                and not isinstance(sharding, NamedSharding)):
-            return SingleDeviceSharding(self.devices[0],
-                                        memory_kind=_kept_kind(sharding))
-        if not isinstance(sharding, NamedSharding):
+        sharding = getattr(x, "sharding", None)
+        kind = _kept_kind(sharding)
+        if isinstance(sharding, NamedSharding):
+            placed = NamedSharding(self._mesh(sharding.mesh), sharding.spec, memory_kind=kind)
+        elif sharding is None or len(sharding.device_set) == 1:
+            placed = (SingleDeviceSharding(self.devices[0], memory_kind=kind) if mesh is None
+                      else NamedSharding(mesh, PartitionSpec(), memory_kind=kind))
+        else:
             raise TypeError(
                 f"Compiling for target {self.name!r} maps `NamedSharding`s and single-device "
                 f"arrays onto its devices, but an argument has a {type(sharding).__name__}. "
                 "Shard it with `jax.sharding.NamedSharding(mesh, PartitionSpec(...))`."
             )
-        mesh = sharding.mesh
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed,
+                                    weak_type=bool(getattr(x, "weak_type", False)))
+
+    def _mesh(self, mesh: Any) -> Mesh:
+        """`mesh`'s shape and axis names over this target's first devices."""
         shape = tuple(mesh.shape.values())
         size = math.prod(shape)
         if size > len(self.devices):
@@ -176,9 +185,8 @@ class Target:
             )
         devices = np.array(self.devices[:size], dtype=object).reshape(shape)
         types = getattr(mesh, "axis_types", None)
-        target_mesh = (Mesh(devices, mesh.axis_names) if types is None
-                       else Mesh(devices, mesh.axis_names, axis_types=types))
-        return NamedSharding(target_mesh, sharding.spec, memory_kind=_kept_kind(sharding))
+        return (Mesh(devices, mesh.axis_names) if types is None
+                else Mesh(devices, mesh.axis_names, axis_types=types))
 
     def _bigger_example(self, size: int) -> str:
         family = (self.name or "v5e").split(":")[0]
