@@ -18,6 +18,7 @@ from ._plan import plan_sweep as plan_sweep
 from ._policy import Policy as Policy
 from ._scope import disable_saved_tensors_hooks as disable_saved_tensors_hooks
 from ._scope import saved_tensors_hooks as saved_tensors_hooks
+from ._target import DoesNotFitError as DoesNotFitError
 from ._transform import with_hooks as with_hooks
 from .policies.offload import save_on_cpu as save_on_cpu
 

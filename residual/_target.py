@@ -234,6 +234,9 @@ class DoesNotFitError(RuntimeError):
         )
 
 
+DoesNotFitError.__module__ = "residual"
+
+
 def _bytes(number: str, unit: str) -> int:
     return int(float(number) * {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit])
 

@@ -318,3 +318,26 @@ def test_gradcheck_memory_on_a_target(target):
     assert result.plain_memory == residual.compiled_memory(_backward(scan_mlp), ws, x,
                                                            target=target)
     assert result.hooked_memory.platform == PLATFORM[target]
+
+
+@pytest.mark.skipif(not (_installed("libtpu") or _installed("jax_plugins.xla_cuda12")),
+                    reason="neither libtpu nor JAX's CUDA plugin is installed")
+def test_the_extras_leave_plain_cpu_use_alone():
+    # A fresh process without the variables this suite sets: JAX starts on the CPU with
+    # libtpu and the CUDA plugin installed (each finds no device and stands aside).
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "ALLOW_MULTIPLE_LIBTPU_LOAD", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "JAX_PLATFORMS")}
+    code = ("import jax, jax.numpy as jnp, residual\n"
+            "from residual import policies as rp\n"
+            "f = lambda x: jnp.sum(jnp.tanh(x) ** 2)\n"
+            "r = residual.inspect(f, jnp.ones((256, 256)), policy=rp.Quantize(bits=8))\n"
+            "print(jax.default_backend(), r.totals['target'],"
+            " float(jax.grad(residual.with_hooks(f))(jnp.ones(3))[0]) > 0)\n")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["cpu", "cpu", "True"]
