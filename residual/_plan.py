@@ -1331,6 +1331,7 @@ def _rates(actions: tuple[str, ...]) -> dict[str, float]:
     return rates
 
 
+@functools.cache
 def _predicted_rates(actions: tuple[str, ...], where: Target) -> dict[str, float]:
     """`_rates` on a target, predicted: its chip's peak FLOP/s and seconds per byte of
     memory bandwidth, and each action's pack and unpack compiled for it (a roofline)."""
