@@ -1,12 +1,19 @@
 """Memory of `jit(grad)` under each policy, as ratios to plain `jax.grad` in the same run.
 
-For each model: the residual bytes each policy stores (from `residual.inspect`) and
-XLA's temp memory of the compiled backward (`compiled.memory_analysis()`), both
-relative to plain `jax.grad`, and `jax.checkpoint` with `nothing_saveable` /
-`dots_saveable` on the layer body for comparison. Compile-only: nothing is run.
+For each model: the residual bytes each policy stores (from `residual.inspect`) and the
+compiled `jit(grad)`'s memory (`residual.Memory`: the peak, and its part beyond
+arguments and outputs, per device), both relative to plain `jax.grad` compiled for the
+same target, and `jax.checkpoint` with `nothing_saveable` / `dots_saveable` on the layer
+body for comparison. Compile-only: nothing is run, so any target compiles here.
 
-    python benchmarks/memory.py            # full sizes (a few minutes on 2 cores)
-    python benchmarks/memory.py --small    # a quick run
+    python benchmarks/memory.py                 # the running backend, full sizes
+    python benchmarks/memory.py --target v5e    # a TPU v5e (pip install 'residual[tpu]')
+    python benchmarks/memory.py --target h100   # an H100 (residual[cuda], JAX_PLATFORMS=cpu)
+    python benchmarks/memory.py --small         # a quick run
+    python benchmarks/memory.py --markdown      # also the docs' table, peak / beyond
+
+The targets checked at the end (PASS/FAIL) are on the memory beyond arguments and
+outputs (XLA:CPU's temp memory), and on the peak for "no policy above plain".
 """
 
 from __future__ import annotations
@@ -40,34 +47,46 @@ POLICIES = {
 }
 
 
-def temp_bytes(fn, *args) -> int:
-    return jax.jit(jax.grad(fn)).lower(*args).compile().memory_analysis().temp_size_in_bytes
+# Every model's ratios, for `--markdown`: {model: {label: (peak ratio, beyond ratio)}},
+# and plain's figures {model: Memory}.
+TABLE: dict[str, dict[str, tuple[float, float]]] = {}
+PLAIN: dict[str, residual.Memory] = {}
 
 
-def measure(name, model, args, targets, checkpoint_models=()):
-    plain = temp_bytes(model, *args)
-    print(f"\n{name}: plain jax.grad temp {plain / 2**20:.1f} MiB")
-    print(f"  {'policy':24s} {'stored/residual':>16s} {'temp vs plain':>14s} {'temp MiB':>9s}")
-    ratios = {}
-    for label, policy in POLICIES.items():
-        report = residual.inspect(model, *args, policy=policy, compiled=False)
-        stored = report.totals["ratio"]
-        hooked = temp_bytes(residual.with_hooks(model, policy=policy), *args)
-        ratios[label] = hooked / plain
-        print(f"  {label:24s} {stored:16.2f} {ratios[label]:14.2f} {hooked / 2**20:9.1f}")
-    for label, checkpointed in checkpoint_models:
-        hooked = temp_bytes(checkpointed, *args)
-        ratios[label] = hooked / plain
-        print(f"  {label:24s} {'':16s} {ratios[label]:14.2f} {hooked / 2**20:9.1f}")
+def grad_memory(fn, *args, target=None) -> residual.Memory:
+    return residual.compiled_memory(jax.grad(fn), *args, target=target)
+
+
+def measure(name, model, args, targets, checkpoint_models=(), target=None, column=None):
+    plain = grad_memory(model, *args, target=target)
+    print(f"\n{name}: plain jax.grad peak {plain.peak / 2**20:.1f} MiB, "
+          f"{plain.beyond / 2**20:.1f} MiB of it beyond arguments and outputs")
+    print(f"  {'policy':24s} {'stored/residual':>16s} {'peak vs plain':>14s} "
+          f"{'beyond vs plain':>16s} {'peak MiB':>9s}")
+    ratios, table = {}, TABLE.setdefault(column or name, {})
+    PLAIN[column or name] = plain
+    rows = [(label, residual.with_hooks(model, policy=policy), policy)
+            for label, policy in POLICIES.items()]
+    rows += [(label, checkpointed, None) for label, checkpointed in checkpoint_models]
+    for label, fn, policy in rows:
+        stored = "" if policy is None else "{:.2f}".format(residual.inspect(
+            model, *args, policy=policy, compiled=False).totals["ratio"])
+        hooked = grad_memory(fn, *args, target=target)
+        peak, beyond = hooked.peak / plain.peak, hooked.beyond / max(plain.beyond, 1)
+        ratios[label] = beyond
+        ratios[label, "peak"] = peak
+        table[label] = peak, beyond
+        print(f"  {label:24s} {stored:>16s} {peak:14.2f} {beyond:16.2f} "
+              f"{hooked.peak / 2**20:9.1f}")
     return _targets.report(ratios, targets)
 
 
-def _vmap_temp_bytes(batched, fn, args) -> int:
+def _vmap_memory(batched, fn, args, target) -> residual.Memory:
     grad = jax.grad(fn, argnums=(0, 1))
-    return jax.jit(batched(grad)).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    return residual.compiled_memory(batched(grad), *args, target=target)
 
 
-def measure_vmap(ws, x) -> int:
+def measure_vmap(ws, x, target=None) -> int:
     """`vmap(grad)`: per-example gradients (weights shared) and an ensemble of 2 models."""
     examples = jnp.stack([x * (1 + i / 64) for i in range(64)])
     cases = {
@@ -77,23 +96,26 @@ def measure_vmap(ws, x) -> int:
     }
     layers, rows, width = ws.shape[0], x.shape[0], x.shape[1]
     print(f"\nunrolled MLP under vmap(grad), {layers} layers, {rows} rows x width {width} "
-          "per example")
+          "per example (peak / beyond arguments and outputs)")
     ratios = {}
     for name, (batched, args) in cases.items():
-        plain = _vmap_temp_bytes(batched, models.unrolled_mlp, args)
-        line = f"  {name:26s} plain {plain / 2**20:6.1f} MiB"
+        plain = _vmap_memory(batched, models.unrolled_mlp, args, target)
+        line = f"  {name:26s} plain {plain.peak / 2**20:6.1f} MiB"
         for label in ("Quantize int8", "Cast(bf16)"):
-            hooked = residual.with_hooks(models.unrolled_mlp, policy=POLICIES[label])
-            ratios[name, label] = _vmap_temp_bytes(batched, hooked, args) / plain
-            line += f"   {label} {ratios[name, label]:.2f}x"
+            hooked = _vmap_memory(batched, residual.with_hooks(
+                models.unrolled_mlp, policy=POLICIES[label]), args, target)
+            ratios[name, label] = hooked.peak / plain.peak
+            line += (f"   {label} {ratios[name, label]:.2f} / "
+                     f"{hooked.beyond / max(plain.beyond, 1):.2f}")
         print(line)
     return _targets.report(ratios, [
         (lambda r: max(r.values()) < 1.0, "every vmap case below plain jax.grad"),
     ])
 
 
-def main(small: bool) -> int:
-    print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
+def main(small: bool, target: str | None = None, markdown: bool = False) -> int:
+    where = f"compiled for {target}" if target else f"{jax.devices()[0].platform}"
+    print(f"jax {jax.__version__}, {where}")
     layers, batch, width = (8, 512, 256) if small else (8, 4096, 1024)
     blocks, t_width, seq, t_batch = (4, 128, 64, 4) if small else (4, 256, 256, 16)
     checkpoints = [
@@ -106,50 +128,84 @@ def main(small: bool) -> int:
         lambda r: r["Remat per layer"] <= 1.05 * r["jax.checkpoint nothing"],
         "Remat per layer within 5% of jax.checkpoint(nothing_saveable) on the layer body",
     )
+    no_policy_above_plain = (lambda r: max(r[k, "peak"] for k in POLICIES) <= 1.0,
+                             "no policy's peak above plain jax.grad's")
     failed = 0
     ws, x = models.mlp_params(layers, width, batch)
     failed += measure(
         f"scan MLP f32, {layers} layers, batch {batch} x width {width}",
         models.scan_mlp, (ws, x),
         [
-            (lambda r: r["Quantize int8"] <= 0.45, "int8 <= 0.45x"),
-            (lambda r: r["Quantize int4"] <= 0.35, "int4 <= 0.35x"),
-            (lambda r: r["Quantize 2-bit"] <= 0.30, "2-bit <= 0.30x"),
-            remat_vs_checkpoint,
+            (lambda r: r["Quantize int8"] <= 0.45, "int8 <= 0.45x beyond"),
+            (lambda r: r["Quantize int4"] <= 0.35, "int4 <= 0.35x beyond"),
+            (lambda r: r["Quantize 2-bit"] <= 0.30, "2-bit <= 0.30x beyond"),
+            remat_vs_checkpoint, no_policy_above_plain,
         ],
-        checkpoints,
+        checkpoints, target, f"scan MLP f32, {layers} x {batch} x {width}",
     )
     ws16, x16 = models.mlp_params(layers, width, batch, jnp.bfloat16)
     failed += measure(
         "scan MLP bf16", models.scan_mlp, (ws16, x16),
-        [(lambda r: r["Quantize int8"] <= 0.6, "int8 <= 0.6x")], checkpoints,
+        [(lambda r: r["Quantize int8"] <= 0.6, "int8 <= 0.6x beyond"), no_policy_above_plain],
+        checkpoints, target, "scan MLP bf16",
     )
     failed += measure(
         "unrolled MLP f32", models.unrolled_mlp, (ws, x),
-        [
-            (lambda r: max(r[k] for k in POLICIES) <= 1.0, "no policy above plain jax.grad"),
-            (lambda r: r["Quantize int8"] <= 0.6, "int8 <= 0.6x (aim)"),
-        ],
+        [no_policy_above_plain,
+         (lambda r: r["Quantize int8"] <= 0.6, "int8 <= 0.6x beyond (aim)")],
         [
             ("jax.checkpoint nothing", models.checkpointed_unrolled_mlp(
                 jax.checkpoint_policies.nothing_saveable)),
             ("jax.checkpoint dots", models.checkpointed_unrolled_mlp(
                 jax.checkpoint_policies.dots_saveable)),
         ],
+        target, "unrolled MLP f32",
     )
-    failed += measure_vmap(*models.mlp_params(6, 128, 256))
+    failed += measure_vmap(*models.mlp_params(6, 128, 256), target=target)
     loss, params, tokens = models.transformer(blocks, t_width, 4, seq, t_batch)
     failed += measure(
         f"equinox transformer, {blocks} blocks (scan), width {t_width}, seq {seq}, "
         f"batch {t_batch}",
         loss, (params, tokens),
-        [(lambda r: r["Quantize int8"] < 1.0, "int8 below plain")],
+        [(lambda r: r["Quantize int8", "peak"] < 1.0, "int8 below plain")], (), target,
+        f"equinox transformer, {blocks} blocks x {t_width}, seq {seq}",
     )
     print(f"\n{failed} target(s) missed")
+    if markdown:
+        print(_markdown(target or jax.devices()[0].platform))
     return 0
+
+
+def _markdown(where: str) -> str:
+    """The docs' table: a row per policy, a column per model, each cell the compiled peak
+    and the part beyond arguments and outputs, as ratios to plain jax.grad's."""
+    columns = list(TABLE)
+    lines = [f"| {where}: peak / beyond | " + " | ".join(columns) + " |",
+             "|---" * (len(columns) + 1) + "|",
+             "| plain `jax.grad`, MiB | " + " | ".join(
+                 f"{PLAIN[c].peak / 2**20:,.0f} ({PLAIN[c].beyond / 2**20:,.0f})"
+                 for c in columns) + " |"]
+    labels = list(dict.fromkeys(label for c in columns for label in TABLE[c]))
+    for label in labels:
+        cells = []
+        for c in columns:
+            if label not in TABLE[c]:
+                cells.append("-")
+                continue
+            peak, beyond = TABLE[c][label]
+            cells.append(f"{peak:.2f}" if round(peak, 2) == round(beyond, 2)
+                         else f"{peak:.2f} / {beyond:.2f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true")
-    raise SystemExit(main(parser.parse_args().small))
+    parser.add_argument("--target", default=None,
+                        help="compile for this hardware: v5e, v5e:2x2, v6e, v5p, v4, h100, "
+                        "h200, a100, cpu (default: the running backend)")
+    parser.add_argument("--markdown", action="store_true",
+                        help="also print the docs' table (peak / beyond ratios)")
+    args = parser.parse_args()
+    raise SystemExit(main(args.small, args.target, args.markdown))

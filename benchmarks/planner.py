@@ -2,7 +2,7 @@
 
 For each model, one planner (`residual.plan_sweep`) plans:
 
-- the budgets 0.25, 0.5, 0.75 of plain `jax.grad`'s temp memory and the least memory;
+- the budgets 0.25, 0.5, 0.75 of plain `jax.grad`'s peak memory and the least memory;
 - a 10-point sweep (0.1 to 1.0), which must be monotone: a smaller budget never gets
   a larger compiled memory, and a larger budget's plan never steps slower (as the
   planner timed it), except by at most 5% over any smaller budget's plan, and only
@@ -10,9 +10,12 @@ For each model, one planner (`residual.plan_sweep`) plans:
 - the compiled memory of each single policy of `benchmarks/speed.py` chosen by hand
   (bytes), to compare the plan with that policy at equal or lower memory.
 
-Every plan is compiled (`memory_analysis()` temp memory, ratio to plain); its step time
-is measured against plain `jit(grad)` in pairs, alternating, as in `speed.py`; its
-gradient is compared with plain `jax.grad` on the example batch. `--exhaustive` also
+Every plan is compiled (its peak memory, `residual.Memory.peak`, ratio to plain); its
+step time is measured against plain `jit(grad)` in pairs, alternating, as in `speed.py`;
+its gradient is compared with plain `jax.grad` on the example batch. With `--target`
+every program is compiled for that hardware instead, and step times are the roofline
+predictions `residual.plan` makes there (nothing runs on the target; gradients are still
+compared on the running backend). `--exhaustive` also
 compiles every combination of actions on the models with few residual groups and
 compares the plan with the cheapest combinations that fit: predicted cost, and step
 time measured in pairs against the three of least predicted cost.
@@ -21,6 +24,7 @@ time measured in pairs against the three of least predicted cost.
     python benchmarks/planner.py --small         # a quick run
     python benchmarks/planner.py --small --exhaustive
     python benchmarks/planner.py --only "scan MLP f32, 8"   # the models named so
+    python benchmarks/planner.py --small --target v5e       # planned for a TPU v5e
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import _models as models
 import speed
 
 import residual
-from residual import _plan  # the planner's internals, for the exhaustive enumeration
+from residual import _plan, _target  # the planner's internals, for the exhaustive search
 
 BUDGETS = (0.25, 0.5, 0.75, None)
 SWEEP = tuple(round(0.1 * i, 1) for i in range(1, 11))
@@ -54,6 +58,8 @@ class Steps:
     """Compiled steps and their paired step-time ratios to plain: measured once each for
     the tables, and afresh, interleaved, for steps compared with each other (ratios taken
     minutes apart drift by several percent on this machine)."""
+
+    kind = "timed together"
 
     def __init__(self, loss, args, pairs):
         self.loss, self.args, self.pairs = loss, args, pairs
@@ -86,6 +92,31 @@ class Steps:
         return [statistics.median(r) for r in ratios]
 
 
+class PredictedSteps(Steps):
+    """`Steps` on a target: each step's time predicted from its program compiled there
+    (the roofline `residual.plan` uses), as a ratio to plain's; nothing runs."""
+
+    kind = "predicted"
+
+    def __init__(self, loss, args, target):
+        self.loss, self.args = loss, args
+        self.where = _target.resolve(target)
+        self._ratios = {}
+        self.plain_seconds = self._seconds(jax.grad(loss))
+
+    def _seconds(self, fn) -> float:
+        return self.where.predicted_seconds(self.where.compile(fn, self.args))
+
+    def ratio(self, policy) -> float:
+        if policy not in self._ratios:
+            hooked = jax.grad(residual.with_hooks(self.loss, policy=policy))
+            self._ratios[policy] = self._seconds(hooked) / self.plain_seconds
+        return self._ratios[policy]
+
+    def together(self, *policies) -> list[float]:
+        return [self.ratio(p) for p in policies]
+
+
 def relative_error(loss, policy, args) -> float:
     want = jax.jit(jax.grad(loss))(*args)
     got = jax.jit(jax.grad(residual.with_hooks(loss, policy=policy)))(*args)
@@ -95,21 +126,23 @@ def relative_error(loss, policy, args) -> float:
     return math.sqrt(diff / norm)
 
 
-def measure(name: str, loss, args, pairs: int, exhaustive: bool) -> list[str]:
-    steps = Steps(loss, args, pairs)
-    plain = jax.jit(jax.grad(loss)).lower(*args).compile().memory_analysis().temp_size_in_bytes
+def measure(name: str, loss, args, pairs: int, exhaustive: bool,
+            target: str | None = None) -> list[str]:
+    steps = Steps(loss, args, pairs) if target is None else PredictedSteps(loss, args, target)
+    plain = residual.compiled_memory(jax.grad(loss), *args, target=target).peak
     hand = {}
     for label, policy in HAND_PICKED.items():
         fn = residual.with_hooks(loss, policy=policy)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            memory = jax.jit(jax.grad(fn)).lower(*args).compile().memory_analysis()
+            memory = residual.compiled_memory(jax.grad(fn), *args, target=target).peak
         if not any("matched none" in str(w.message) for w in caught):  # no scan to act on
-            hand[label] = (policy, memory.temp_size_in_bytes)
+            hand[label] = (policy, memory)
     budgets = (*BUDGETS, *SWEEP, *(m for _, m in hand.values() if m < plain))
-    sweep = residual.plan_sweep(loss, *args, budgets=budgets, max_grad_error=MAX_GRAD_ERROR)
+    sweep = residual.plan_sweep(loss, *args, budgets=budgets, max_grad_error=MAX_GRAD_ERROR,
+                                target=target)
     plans = dict(zip(range(len(budgets)), sweep.plans))
-    print(f"\n{name}: plain jit(grad) temp {plain / 2**20:.2f} MiB; {len(budgets)} budgets "
+    print(f"\n{name}: plain jit(grad) peak {plain / 2**20:.2f} MiB; {len(budgets)} budgets "
           f"planned in {sweep.planning_seconds:.1f} s, {sweep.compiles} compiles")
     print(f"  {'asked':>6s} {'reached':>8s} {'step':>6s} {'predicted':>9s} {'grad error':>10s}"
           "  actions")
@@ -138,7 +171,7 @@ def measure(name: str, loss, args, pairs: int, exhaustive: bool) -> list[str]:
     missed += _monotone(name, sweep, len(BUDGETS), plain)
     missed += _against_hand_picked(name, loss, args, sweep, hand, plain, steps)
     if exhaustive:
-        missed += _against_exhaustive(name, loss, args, steps)
+        missed += _against_exhaustive(name, loss, args, steps, target)
     return missed
 
 
@@ -194,7 +227,7 @@ def _against_hand_picked(name, loss, args, sweep, hand, plain, steps) -> list[st
             continue
         step, theirs = steps.together(plan, policy)
         print(line + f"{plan.memory / plain:.2f}x {step:5.2f}x {plan.grad_error or 0:8.1e}"
-              f"   (timed together: policy {theirs:.2f}x)")
+              f"   ({steps.kind}: policy {theirs:.2f}x)")
         if error <= MAX_GRAD_ERROR and step > theirs * 1.05:
             missed.append(f"{name}: plan slower than {label} at its memory "
                           f"({step:.2f}x vs {theirs:.2f}x)")
@@ -208,11 +241,13 @@ def _against_hand_picked(name, loss, args, sweep, hand, plain, steps) -> list[st
     return missed
 
 
-def _against_exhaustive(name, loss, args, steps, limit: int = 600) -> list[str]:
+def _against_exhaustive(name, loss, args, steps, target=None, limit: int = 600) -> list[str]:
     """Every combination of actions compiled: the cheapest that fits each budget, against
     the planner's plan for it, in the planner's predicted cost and in measured step time
     (the three combinations of least predicted cost are timed, as the plan is)."""
-    planner = _plan._Planner(loss, args, 0, _plan._check_actions(None), MAX_GRAD_ERROR)
+    where = _target.resolve(target)
+    planner = _plan._Planner(loss, args, 0, _plan._check_actions(None, where), MAX_GRAD_ERROR,
+                             where)
     options = [list(g.options) for g in planner.groups]
     combos = math.prod(map(len, options))
     if combos > limit:
@@ -258,8 +293,10 @@ def _ms(seconds) -> str:
     return "none" if seconds is None else f"{1e3 * seconds:.3f} ms"
 
 
-def main(small: bool, exhaustive: bool, only: str) -> int:
-    print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
+def main(small: bool, exhaustive: bool, only: str, target: str | None = None) -> int:
+    where = f"compiled for {target}, step times predicted" if target else (
+        jax.devices()[0].platform)
+    print(f"jax {jax.__version__}, {where}")
     batch, width = (256, 128) if small else (1024, 512)
     pairs = 10 if small else 20
     missed = []
@@ -274,18 +311,18 @@ def main(small: bool, exhaustive: bool, only: str) -> int:
         if only not in name:
             continue
         missed += measure(f"{name}, batch {batch} x width {width}", loss, args, pairs,
-                          exhaustive)
+                          exhaustive, target)
     if not small and only in "equinox transformer":
         loss, params, tokens = models.transformer()
         start = time.perf_counter()
-        plan = residual.plan(loss, params, tokens, budget=0.5)
+        plan = residual.plan(loss, params, tokens, budget=0.5, target=target)
         seconds = time.perf_counter() - start
         print(f"\nequinox transformer, 4 blocks (scan): residual.plan(budget=0.5) took "
               f"{seconds:.1f} s, {plan.compiles} compiles")
         if seconds > 60:
             missed.append(f"transformer planned in {seconds:.0f} s")
         missed += measure("equinox transformer, 4 blocks (scan)", loss, (params, tokens),
-                          pairs, False)
+                          pairs, False, target)
     print(f"\n{len(missed)} target(s) missed" + "".join(f"\n  {m}" for m in missed))
     return 0
 
@@ -295,5 +332,8 @@ if __name__ == "__main__":
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--exhaustive", action="store_true")
     parser.add_argument("--only", default="", help="the models whose name contains this")
+    parser.add_argument("--target", default=None,
+                        help="plan for this hardware, compiled here: v5e, v5e:2x2, v6e, h100, "
+                        "... (default: the running backend, steps timed)")
     options = parser.parse_args()
-    raise SystemExit(main(options.small, options.exhaustive, options.only))
+    raise SystemExit(main(options.small, options.exhaustive, options.only, options.target))

@@ -39,6 +39,9 @@ examples:
   python -m residual inspect mymodel:loss --args mymodel:example_args --policy int8
       arguments that are pytrees (equinox models, dicts of parameters): `example_args`
       is a tuple of them, or a function returning one (arrays or jax.ShapeDtypeStruct)
+  python -m residual inspect mymodel:loss --arg f32[1024,1024] --arg f32[256,1024] \\
+      --policy int8 --target v5e
+      the same compiled for a TPU v5e, on this machine (pip install 'residual[tpu]')
 
 Nothing is executed: shapes are traced and the program compiled, never run."""
 
@@ -58,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         run_demo(steps=args.steps, width=args.width, depth=args.depth, batch=args.batch)
         return 0
-    fn = _load(inspect_parser, args.target, "FUNCTION", want_callable=True)
+    fn = _load(inspect_parser, args.function, "FUNCTION", want_callable=True)
     if args.args_from and args.arg:
         inspect_parser.error("give the arguments either with --arg or with --args, not both")
     if args.args_from:
@@ -77,15 +80,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         inspect_parser.error("give the function's arguments: one --arg per argument "
                              "(e.g. --arg f32[256,1024]), or --args MODULE:NAME")
     from . import policies as rp
+    from ._errors import TargetUnavailableError
     from ._inspect import inspect as inspect_fn
+    from ._target import DoesNotFitError, resolve
 
     try:
+        resolve(args.target)
+    except (ValueError, TargetUnavailableError) as e:
+        inspect_parser.error(f"--target {args.target}: {e}")
+    try:
         report = inspect_fn(fn, *arguments, policy=POLICIES[args.policy](rp),
-                            compiled=not args.no_compile)
+                            compiled=not args.no_compile, target=args.target)
+    except (TargetUnavailableError, DoesNotFitError) as e:
+        inspect_parser.error(str(e))
     except Exception as e:  # the user's function, called with the arguments given
         shown = ", ".join(_describe(a) for a in arguments)
         inspect_parser.error(
-            f"{args.target}({shown}) failed: {type(e).__name__}: {str(e).splitlines()[0]}\n"
+            f"{args.function}({shown}) failed: {type(e).__name__}: {str(e).splitlines()[0]}\n"
             "Check that there is one argument per parameter, with the shapes and dtypes "
             "the function expects."
         )
@@ -113,10 +124,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     inspect = commands.add_parser(
         "inspect", help="list the residuals of a function and what a policy does to them",
         description="Lists every residual `jax.grad` of FUNCTION saves, and what --policy "
-        "stores instead;\ncompiles both programs and compares their temp memory.",
+        "stores instead;\ncompiles both programs and compares their peak memory, on this "
+        "machine's backend or on --target.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    inspect.add_argument("target", metavar="MODULE:FUNCTION",
+    inspect.add_argument("function", metavar="MODULE:FUNCTION",
                          help="the function to differentiate, e.g. mymodel:loss (mymodel.py "
                          "in the current directory, or an installed module)")
     inspect.add_argument("--arg", "--shape", action="append", default=[], metavar="SPEC",
@@ -131,7 +143,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                          help="none (plain jax.grad), bf16, int8/int4/int2 or fp8 "
                          "(Quantize), remat, offload")
     inspect.add_argument("--no-compile", action="store_true",
-                         help="skip compiling (no temp-memory figures; faster)")
+                         help="skip compiling (no memory figures; faster)")
+    inspect.add_argument("--target", metavar="NAME",
+                         help="compile for this hardware, which need not be here: v5e, "
+                         "v5e:2x2, v6e, v5p, v4, h100, h100:8, h200, a100 (TPUs need "
+                         "residual[tpu], GPUs residual[cuda]); the running backend if "
+                         "not given")
     inspect.add_argument("--wide", action="store_true",
                          help="every column whole, however wide the table")
     return parser, inspect

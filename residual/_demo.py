@@ -104,11 +104,12 @@ def main(steps: int = 30, width: int = 128, depth: int = 4, batch: int = 256) ->
               f"{1e3 * statistics.median(times):6.1f} ms per step (median)")
     (plain_losses, plain_times), (int8_losses, int8_times) = curves.values()
     t = report.totals
-    plain_mib, int8_mib = t["plain_temp_bytes"] / 2**20, t["hooked_temp_bytes"] / 2**20
+    plain_mib, int8_mib = t["plain_peak_bytes"] / 2**20, t["hooked_peak_bytes"] / 2**20
     step_ratio = statistics.median(int8_times) / statistics.median(plain_times)
     print("\nSummary, int8 residuals against plain jax.grad, both measured in this run:")
-    print(f"  memory     {t['temp_ratio']:7.2f}x  compiled jit(grad) temp memory, "
-          f"{int8_mib:.1f} MiB against {plain_mib:.1f} MiB")
+    print(f"  memory     {t['peak_ratio']:7.2f}x  compiled jit(grad) peak memory, "
+          f"{int8_mib:.1f} MiB against {plain_mib:.1f} MiB\n"
+          f"             {t['beyond_ratio']:7.2f}x  of it beyond arguments and outputs")
     print(f"  step time  {step_ratio:7.2f}x  median step after compilation")
     print(f"  loss       {int8_losses[-1] / plain_losses[-1]:7.4f}x  final training loss")
 

@@ -14,3 +14,11 @@ class HookError(TypeError):
 
 
 HookError.__module__ = "residual"
+
+
+class TargetUnavailableError(RuntimeError):
+    """A `target=` cannot be compiled for here: what it needs is not installed or not
+    loaded (libtpu, JAX's CUDA plugin). The message says how to get it."""
+
+
+TargetUnavailableError.__module__ = "residual"

@@ -13,9 +13,11 @@ import jax.test_util
 import numpy as np
 
 from ._info import ResidualInfo
-from ._inspect import nothing_packed
+from ._inspect import _backward, nothing_packed
+from ._memory import Memory
 from ._policy import FunctionHooks, Policy, as_policy
 from ._record import recording
+from ._target import resolve
 from ._transform import with_hooks
 
 
@@ -40,6 +42,11 @@ class GradcheckResult:
             `None` when skipped (it needs float64 inputs).
         residuals: one `ResidualCheck` per packed residual, worst first.
         note: why the policy packed nothing, when it did not (`""` otherwise).
+        plain_memory: with `memory=True` (or a `target`), the `residual.Memory` of the
+            compiled forward and backward without the hooks, on `target`; else `None`.
+        hooked_memory: the same with the hooks.
+        target: where the memory was compiled for (the running backend's platform, or
+            the target's name); `None` without memory.
     """
 
     ok: bool
@@ -48,6 +55,9 @@ class GradcheckResult:
     finite_differences: bool | None
     residuals: tuple[ResidualCheck, ...]
     note: str = ""
+    plain_memory: Memory | None = None
+    hooked_memory: Memory | None = None
+    target: str | None = None
 
     def __repr__(self) -> str:
         verdict = "OK" if self.ok else "FAILED"
@@ -62,6 +72,14 @@ class GradcheckResult:
                 f"  max abs {check.max_abs_error:.2e}, rel {check.max_rel_error:.2e}: "
                 f"{check.info.describe()}"
             )
+        plain, hooked = self.plain_memory, self.hooked_memory
+        if plain is not None and hooked is not None:
+            lines.append(
+                f"compiled peak memory on {self.target}: {hooked.peak / 2**20:.2f} MiB under "
+                f"the hooks, {hooked.peak / max(plain.peak, 1):.2f}x plain's "
+                f"{plain.peak / 2**20:.2f} MiB (beyond arguments and outputs: "
+                f"{hooked.beyond / max(plain.beyond, 1):.2f}x)"
+            )
         return "\n".join(lines)
 
 
@@ -73,6 +91,8 @@ def gradcheck(
     unpack: Callable | None = None,
     rtol: float | None = None,
     raise_on_failure: bool = False,
+    memory: bool = False,
+    target: str | None = None,
 ) -> GradcheckResult:
     """Checks gradients under hooks against plain `jax.grad`, and every residual's round trip.
 
@@ -82,7 +102,9 @@ def gradcheck(
     argument, with and without the hooks, and compares them; with float64 inputs it
     also checks the hooked gradient against finite differences
     (`jax.test_util.check_grads`). It runs `unpack(pack(x))` on each residual
-    during the hooked forward pass and reports the worst errors.
+    during the hooked forward pass and reports the worst errors. With `memory=True`
+    it also compiles the forward and backward with and without the hooks and reports
+    both programs' memory (`residual.Memory`), on the running backend or `target`.
 
     Args:
         f: the function.
@@ -93,6 +115,11 @@ def gradcheck(
         rtol: tolerance on the relative gradient error; by default 1e-5 for lossless
             policies and plain hooks, 5e-2 for lossy policies.
         raise_on_failure: raise `AssertionError` with the report when not `ok`.
+        memory: also report the compiled memory with and without the hooks.
+        target: where to compile for the memory: `None` for the running backend, or a
+            TPU or GPU compiled for without one (`"v5e"`, `"h100"`, ...; see the
+            Targets page); a target implies `memory=True`. The gradients are always
+            computed on the running backend.
 
     Returns:
         A `GradcheckResult`.
@@ -149,8 +176,13 @@ def gradcheck(
         except AssertionError:
             finite_differences = False
     ok = grad_error <= rtol and finite_differences is not False
+    figures: tuple[Memory | None, Memory | None, str | None] = (None, None, None)
+    if memory or target is not None:
+        where = resolve(target)
+        figures = (where.memory(_backward(f), args),
+                   where.memory(_backward(with_hooks(f, policy=inner)), args), where.label)
     result = GradcheckResult(ok, grad_error, rtol, finite_differences, sink.checks(),
-                             nothing_packed(records, inner) or "")
+                             nothing_packed(records, inner) or "", *figures)
     if raise_on_failure and not ok:
         raise AssertionError(repr(result))
     return result

@@ -21,6 +21,7 @@ from ._info import dtype_name
 from ._policy import Policy
 from ._record import Record, recording
 from ._residuals import _OWN_FILES, _producers, _Provenance, _trace_origin, is_own_file
+from ._target import resolve
 from ._transform import with_hooks
 
 
@@ -77,10 +78,12 @@ class Report:
         rows: the rows, in the table's order; `report.to_dicts()` gives them as
             dictionaries (what each field means is there).
         totals: `residual_bytes` (unpacked), `stored_bytes` (under the policy),
-            `ratio`, and with `compiled=True` XLA's temp memory of the compiled
-            forward and backward (`jit` of `vjp`, as `jit(grad)` runs them) without
-            (`plain_temp_bytes`) and with (`hooked_temp_bytes`) the policy and
-            `temp_ratio`.
+            `ratio`, and with `compiled=True` the memory of the compiled forward and
+            backward (`jit` of `vjp`, as `jit(grad)` runs them; see `residual.Memory`),
+            per device, on `target` (the running backend's platform, or the target's
+            name): the peak without (`plain_peak_bytes`) and with (`hooked_peak_bytes`)
+            the policy and `peak_ratio`; the part of it beyond arguments and outputs
+            (`plain_beyond_bytes`, `hooked_beyond_bytes`, `beyond_ratio`).
         policy: the policy inspected, as the table's title names it.
         notes: sentences on what the figures mean here (when the policy packed
             nothing and why; when packing does not lower the compiled memory).
@@ -168,11 +171,16 @@ class Report:
             f"{len(self.rows)} residuals: {before} per step unpacked, {after} stored "
             f"({t['ratio']:.2f}x)"
         ]
-        if "plain_temp_bytes" in t:
-            plain, hooked = _pair(t["plain_temp_bytes"], t["hooked_temp_bytes"])
+        if "plain_peak_bytes" in t:
+            plain, hooked = _pair(t["plain_peak_bytes"], t["hooked_peak_bytes"])
             lines.append(
-                f"compiled jit(grad) temp memory: {plain} plain, {hooked} under the policy "
-                f"({t['temp_ratio']:.2f}x)"
+                f"compiled jit(grad) peak memory on {t['target']}: {plain} plain, {hooked} "
+                f"under the policy ({t['peak_ratio']:.2f}x)"
+            )
+            plain, hooked = _pair(t["plain_beyond_bytes"], t["hooked_beyond_bytes"])
+            lines.append(
+                f"  beyond arguments and outputs: {plain} plain, {hooked} under the policy "
+                f"({t['beyond_ratio']:.2f}x)"
             )
         return lines
 
@@ -270,7 +278,12 @@ class Report:
 
 
 def inspect(
-    f: Callable, *args: Any, policy: Policy | None = None, compiled: bool = True, **kwargs: Any
+    f: Callable,
+    *args: Any,
+    policy: Policy | None = None,
+    compiled: bool = True,
+    target: str | None = None,
+    **kwargs: Any,
 ) -> Report:
     """Lists every residual `f` saves at these arguments, and what `policy` does to it.
 
@@ -279,14 +292,18 @@ def inspect(
     line, scope, `checkpoint_name`, the policy that applies and the bytes it stores.
     Residuals inside scan bodies appear once, with the trip count; totals count every
     iteration. With `compiled=True` it also compiles the backward pass with and
-    without the policy and reports XLA's temp memory for both.
+    without the policy and reports the compiled memory of both (`residual.Memory`: the
+    peak, and its part beyond arguments and outputs, per device), for the running
+    backend or for `target`, hardware that need not be here.
 
     Args:
         f: the function, as you would pass it to `jax.grad` or `jax.vjp`.
-        *args: its arguments (arrays, or `jax.ShapeDtypeStruct`s when
-            `compiled=False`... and also when `compiled=True`: nothing is executed).
+        *args: its arguments: arrays or `jax.ShapeDtypeStruct`s (nothing is executed).
         policy: a `residual.Policy`; `None` shows what plain `jax.grad` stores.
-        compiled: also compile and report temp memory.
+        compiled: also compile and report memory.
+        target: where to compile: `None` for the running backend, or a TPU or GPU
+            compiled for without one (`"v5e"`, `"v5e:2x2"`, `"h100"`, ...; see the
+            Targets page), with the arguments' shardings mapped onto its devices.
         **kwargs: keyword arguments of `f`.
 
     Returns:
@@ -316,24 +333,30 @@ def inspect(
         "ratio": stored / residual_bytes if residual_bytes else 1.0,
     }
     if compiled:
-        plain = _temp_bytes(_backward(fn), args)
-        hooked = _temp_bytes(_backward(with_hooks(fn, policy=probe)), args)
+        where = resolve(target)
+        plain = where.memory(_backward(fn), args)
+        hooked = where.memory(_backward(with_hooks(fn, policy=probe)), args)
         totals.update(
-            plain_temp_bytes=plain,
-            hooked_temp_bytes=hooked,
-            temp_ratio=hooked / plain if plain else 1.0,
+            target=where.label,
+            plain_peak_bytes=plain.peak,
+            hooked_peak_bytes=hooked.peak,
+            peak_ratio=hooked.peak / plain.peak if plain.peak else 1.0,
+            plain_beyond_bytes=plain.beyond,
+            hooked_beyond_bytes=hooked.beyond,
+            beyond_ratio=hooked.beyond / plain.beyond if plain.beyond else 1.0,
         )
     notes = []
     if policy is not None:
         nothing = nothing_packed(records, policy)
         if nothing:
             notes.append(nothing)
-        elif compiled and totals["temp_ratio"] > 0.95:
+        elif compiled and totals["beyond_ratio"] > 0.95:
             notes.append(
-                f"The compiled program is not smaller ({totals['temp_ratio']:.2f}x): its "
-                "residuals are a small part of its memory, or XLA kept the floats alive "
-                "next to the packed form. Packing pays on deep or wide models with large "
-                "activations; on shallow or small ones, keep plain `jax.grad`."
+                f"The compiled program is not smaller ({totals['beyond_ratio']:.2f}x of "
+                "plain's memory beyond arguments and outputs): its residuals are a small "
+                "part of its memory, or the compiler kept the floats alive next to the "
+                "packed form. Packing pays on deep or wide models with large activations; "
+                "on shallow or small ones, keep plain `jax.grad`."
             )
     label = _label(policy) if policy is not None else "plain jax.grad"
     return Report(rows, totals, label, sections, tuple(notes))
@@ -380,10 +403,6 @@ def _backward(fn: Callable) -> Callable:
         return vjp(jax.tree.map(jnp.ones_like, out))
 
     return run
-
-
-def _temp_bytes(fn: Callable, args) -> int:
-    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
 def _rows(records: list[Record], with_policy: bool) -> tuple[tuple[Row, ...], dict[str, str]]:

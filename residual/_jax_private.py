@@ -331,3 +331,13 @@ def stack_axis(eqn: JaxprEqn) -> int | None:
         return eqn.params["axis"]
     return None
 
+
+def optimized_cost_analysis(compiled: jax.stages.Compiled) -> dict[str, float]:
+    """XLA's generic cost analysis (`HloCostAnalysis`, FLOPs and bytes accessed) of a
+    compiled program's optimized HLO, run by the CPU client: for compile-only GPU
+    programs, whose `cost_analysis()` is None (no loaded executable to ask)."""
+    from jax._src import xla_bridge
+    from jax._src.lib import _jax
+
+    modules = compiled.runtime_executable().hlo_modules()
+    return dict(_jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), modules[0]))

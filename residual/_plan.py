@@ -18,8 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._info import ResidualInfo, dtype_name
+from ._memory import Memory
 from ._policy import Policy
 from ._record import recording
+from ._target import DoesNotFitError, Target, resolve
 from ._transform import with_hooks
 
 # The actions a plan may choose, by the name plans store (JSON stays readable and stable).
@@ -65,9 +67,10 @@ def _policy(action: str) -> Policy | None:
     }[action]()
 
 
-def offload_available() -> bool:
-    """Whether the default device has host memory apart from its own (not on CPU)."""
-    device = jax.devices()[0]
+def offload_available(where: Target | None = None) -> bool:
+    """Whether the default device (or the target's) has host memory apart from its own
+    (not on CPU)."""
+    device = (where or resolve(None)).devices[0]
     kinds = [m.kind for m in device.addressable_memories()]
     return device.platform != "cpu" and "pinned_host" in kinds
 
@@ -135,19 +138,25 @@ class Plan(Policy):
             are recomputed (as `Remat` on the body would: recomputing its residuals
             from the body's inputs) instead of stored: those too small to plan, and
             the values the engine would otherwise store to recompute from.
-        memory: XLA's temp memory of the compiled `jit(grad)` under the plan, in bytes.
+        memory: the compiled `jit(grad)`'s peak memory under the plan, in bytes per
+            device (`residual.Memory.peak`), on the plan's target.
         plain_memory: the same for plain `jax.grad`.
         budget: the budget asked for, in bytes (`None`: the least memory).
         grad_error: relative error of the plan's gradient against plain `jax.grad` on
             the example arguments (`None` when they were shapes only).
         predicted_seconds: predicted extra seconds per step (packing, unpacking,
             recomputing).
-        plain_step_seconds: measured seconds of one plain `jit(grad)` step.
-        step_seconds: measured seconds of one `jit(grad)` step under the plan, timed
-            alternately with plain's on the example arguments (`None` for shapes only).
+        plain_step_seconds: seconds of one plain `jit(grad)` step: measured on the
+            running backend; on a `target`, predicted from the compiled program (its
+            FLOPs and bytes accessed at the chip's peak FLOP/s and bandwidth).
+        step_seconds: seconds of one `jit(grad)` step under the plan: timed
+            alternately with plain's on the example arguments (`None` for shapes only);
+            on a `target`, predicted as `plain_step_seconds` is.
         max_grad_error: the bound the plan was made under.
         compiles: programs compiled while planning.
         planning_seconds: wall time spent planning.
+        target: the hardware planned for (`"v5e"`, `"h100:8"`), compiled for without
+            it; `None` for the running backend.
     """
 
     decisions: tuple[Decision, ...] = ()
@@ -162,6 +171,7 @@ class Plan(Policy):
     max_grad_error: float | None = dataclasses.field(default=None, compare=False)
     compiles: int = dataclasses.field(default=0, compare=False)
     planning_seconds: float = dataclasses.field(default=0.0, compare=False)
+    target: str | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         if not isinstance(self.decisions, tuple) or not all(
@@ -191,7 +201,8 @@ class Plan(Policy):
 
     @property
     def step_overhead(self) -> float | None:
-        """Measured extra time per step, as a fraction of a plain step (negative: faster)."""
+        """Extra time per step, as a fraction of a plain step (negative: faster): measured,
+        or on a `target` predicted from the compiled programs."""
         if not self.plain_step_seconds or self.step_seconds is None:
             return None
         return self.step_seconds / self.plain_step_seconds - 1
@@ -300,14 +311,19 @@ class Plan(Policy):
         lines.append(f"predicted cost: {1e3 * self.predicted_seconds:.3f} ms per step"
                      + (f" ({100 * overhead:.1f}% of a plain step)" if overhead is not None
                         else ""))
+        kind = ("measured step" if self.target is None else
+                f"predicted step on {self.target} (roofline of the compiled program, not run)")
         if self.step_overhead is not None:
-            lines.append(f"measured step: {1e3 * self.step_seconds:.2f} ms, "
+            lines.append(f"{kind}: {1e3 * self.step_seconds:.3g} ms, "
                          f"{100 * self.step_overhead:+.1f}% against plain "
-                         f"{1e3 * self.plain_step_seconds:.2f} ms")
+                         f"{1e3 * self.plain_step_seconds:.3g} ms")
+        elif self.step_seconds is not None:  # plain jax.grad does not fit on the target
+            lines.append(f"{kind}: {1e3 * self.step_seconds:.3g} ms")
         if self.plain_memory is not None and self.memory is not None:
             asked = "least memory" if self.budget is None else f"budget {_mib(self.budget)}"
             lines.append(
-                f"compiled jit(grad) temp memory: {_mib(self.memory)} "
+                f"compiled jit(grad) peak memory on {self.target or 'the running backend'}"
+                f" (per device): {_mib(self.memory)} "
                 f"({self.memory / max(self.plain_memory, 1):.2f}x of plain "
                 f"{_mib(self.plain_memory)}); {asked}"
             )
@@ -341,6 +357,7 @@ def plan(
     max_grad_error: float = 1e-2,
     actions: Sequence[str] | None = None,
     argnums: int | Sequence[int] = 0,
+    target: str | None = None,
 ) -> Plan:
     """Chooses an action per residual so that `jit(grad(loss))` fits a memory budget.
 
@@ -371,16 +388,25 @@ def plan(
       the program with that residual recomputed, at a measured FLOP rate and
       bandwidth.
 
-    Memory is XLA's temp memory of `jax.jit(jax.grad(loss, argnums))` (per device
-    when the arguments are sharded), as `residual.inspect` reports it. The result is
-    never above plain `jax.grad`: if no plan lowers the compiled memory, every
-    residual is kept.
+    Memory is the peak of the compiled `jax.jit(jax.grad(loss, argnums))`
+    (`residual.Memory.peak`, per device when the arguments are sharded), as
+    `residual.inspect` reports it. The result is never above plain `jax.grad`: if no
+    plan lowers the compiled memory, every residual is kept.
+
+    With `target` (`"v5e"`, `"v5e:2x2"`, `"h100"`, ...) the plan is made for hardware
+    that need not be here: every program is compiled for it (its memory per device),
+    and nothing runs. Step times are then predicted, not measured: each compiled
+    program's FLOPs and bytes accessed (its compiler's cost analysis) at the chip's
+    peak FLOP/s and memory bandwidth, whichever takes longer; the fastest plan that
+    fits is chosen by that prediction, and packing costs come from the same roofline.
+    Gradient errors are the nominal ones of shapes only, as nothing runs; `offload`
+    is left out unless asked for (its host transfers are not in the roofline).
 
     Args:
         loss: a function returning a scalar, as you would pass it to `jax.grad`.
         *example_args: its arguments: arrays (their values give the gradient error),
             or `jax.ShapeDtypeStruct`s (nominal errors, no gradient check).
-        budget: the temp memory to fit: a fraction of plain `jax.grad`'s (`0.5`),
+        budget: the peak memory to fit (per device): a fraction of plain `jax.grad`'s (`0.5`),
             bytes (an int), a string such as `"6 GiB"` or `"512 MiB"`, or `None` for
             the least memory within `max_grad_error`.
         max_grad_error: the largest relative error of the gradient (global norm)
@@ -391,6 +417,9 @@ def plan(
             backend supports (`"offload"` needs host memory apart from the device's,
             not the CPU's).
         argnums: the arguments differentiated, as for `jax.grad`.
+        target: `None` to plan for the running backend (and time steps on it), or a TPU
+            or GPU to compile for without one (see the Targets page); the arguments'
+            shardings are mapped onto its devices.
 
     Returns:
         A `Plan`: a `residual.Policy` to pass to `with_hooks`, with its compiled
@@ -423,9 +452,10 @@ def plan(
     start = time.perf_counter()
     _check_loss(loss, example_args)
     max_grad_error = _check_error(max_grad_error)
-    chosen = _check_actions(actions)
+    where = resolve(target)
+    chosen = _check_actions(actions, where)
     requested = _check_budget(budget)
-    planner = _Planner(loss, example_args, argnums, chosen, max_grad_error)
+    planner = _Planner(loss, example_args, argnums, chosen, max_grad_error, where)
     result = planner.run(requested)
     return dataclasses.replace(result, compiles=planner.compiles,
                                planning_seconds=time.perf_counter() - start)
@@ -438,6 +468,7 @@ def plan_sweep(
     max_grad_error: float = 1e-2,
     actions: Sequence[str] | None = None,
     argnums: int | Sequence[int] = 0,
+    target: str | None = None,
 ) -> PlanSweep:
     """Plans `loss` for each of `budgets`, sharing the measurements: a memory-time trade-off.
 
@@ -448,8 +479,9 @@ def plan_sweep(
     smaller budget's plan). Slower is by measured step time, where steps within 5% of
     each other count as equally fast (timing noise) and the more accurate, then the
     smaller, plan is preferred; a larger budget's plan is never more than 5% slower
-    than any smaller budget's. With shapes only, slower is by predicted time. A budget
-    no plan reaches is listed with the reason instead of a plan.
+    than any smaller budget's. With shapes only, slower is by predicted time; on a
+    `target`, by the step time predicted from each compiled program. A budget no plan
+    reaches is listed with the reason instead of a plan.
 
     Returns:
         A `PlanSweep`: `sweep.plans` (a `Plan` or `None` per budget), `print(sweep)`
@@ -470,14 +502,15 @@ def plan_sweep(
     start = time.perf_counter()
     _check_loss(loss, example_args)
     max_grad_error = _check_error(max_grad_error)
-    chosen = _check_actions(actions)
+    where = resolve(target)
+    chosen = _check_actions(actions, where)
     if isinstance(budgets, str) or not isinstance(budgets, Sequence) or not budgets:
         raise TypeError(
             f"`budgets` must be a non-empty list of budgets (fractions, bytes, sizes such as "
             f"'6 GiB', or None), but got {budgets!r}."
         )
     requested = [_check_budget(b) for b in budgets]
-    planner = _Planner(loss, example_args, argnums, chosen, max_grad_error)
+    planner = _Planner(loss, example_args, argnums, chosen, max_grad_error, where)
     targets = [None if r is None else int(r[1] * planner.plain) if r[0] == "fraction"
                else int(r[1]) for r in requested]
     plans: list[Plan | None] = [None] * len(budgets)
@@ -491,7 +524,7 @@ def plan_sweep(
             reasons[i] = str(e)
     _make_monotone(plans, [i for i in order if plans[i] is not None], targets)
     return PlanSweep(tuple(budgets), tuple(plans), tuple(reasons), planner.plain,
-                     planner.compiles, time.perf_counter() - start)
+                     planner.compiles, time.perf_counter() - start, where.name)
 
 
 def _make_monotone(plans: list, ascending: list[int], targets: list) -> None:
@@ -525,9 +558,10 @@ class PlanSweep:
         budgets: the budgets asked for, as given.
         plans: a `Plan` per budget, `None` where no plan reaches it.
         reasons: why, where a budget has no plan (`None` elsewhere).
-        plain_memory: XLA's temp memory of plain `jit(grad)`, in bytes.
+        plain_memory: the peak memory of plain `jit(grad)`, in bytes per device.
         compiles: programs compiled for the whole sweep.
         planning_seconds: wall time of the whole sweep.
+        target: the hardware planned for, `None` for the running backend.
     """
 
     budgets: tuple
@@ -536,6 +570,7 @@ class PlanSweep:
     plain_memory: int
     compiles: int = 0
     planning_seconds: float = 0.0
+    target: str | None = None
 
     def __str__(self) -> str:
         lines = [f"{'budget':>10s}  {'memory':>8s}  {'overhead':>8s}  {'grad error':>10s}",
@@ -551,15 +586,19 @@ class PlanSweep:
                 f"{'' if overhead is None else f'{100 * overhead:7.1f}%':>8s}  "
                 f"{'' if p.grad_error is None else f'{p.grad_error:.2e}':>10s}"
             )
-        lines.append(f"memory: compiled jit(grad) temp memory, of plain {_mib(self.plain_memory)}; "
-                     f"overhead: {self._overhead_kind}, of a plain step")
+        lines.append(f"memory: compiled jit(grad) peak memory on "
+                     f"{self.target or 'the running backend'}, of plain "
+                     f"{_mib(self.plain_memory)}; overhead: {self._overhead_kind}, of a "
+                     "plain step")
         return "\n".join(lines)
 
     @property
     def _overhead_kind(self) -> str:
-        """'measured' when every plan's step was timed (values given), else 'predicted'."""
+        """'measured' when every plan's step was timed (values given), else 'predicted'
+        (shapes only, or a target: nothing runs)."""
         plans = [p for p in self.plans if p is not None]
-        timed = plans and all(p.step_seconds is not None for p in plans)
+        timed = self.target is None and plans and all(
+            p.step_seconds is not None for p in plans)
         return "measured" if timed else "predicted"
 
     def plot(self):
@@ -654,10 +693,11 @@ def _check_error(value: Any) -> float:
     return float(value)
 
 
-def _check_actions(actions: Any) -> tuple[str, ...]:
-    available = offload_available()
-    if actions is None:
-        return tuple(a for a in ACTIONS if a != "offload" or available)
+def _check_actions(actions: Any, where: Target | None = None) -> tuple[str, ...]:
+    where = where or resolve(None)
+    available = offload_available(where)
+    if actions is None:  # on a target, offload only when asked: see `plan`
+        return tuple(a for a in ACTIONS if a != "offload" or (available and where.runs))
     if isinstance(actions, str) or not isinstance(actions, Sequence):
         raise TypeError(
             f"`actions` must be a list of action names from {ACTIONS}, but got "
@@ -671,7 +711,7 @@ def _check_actions(actions: Any) -> tuple[str, ...]:
             )
     if "offload" in actions and not available:
         raise ValueError(
-            f"`actions` includes 'offload', but {jax.devices()[0].platform} devices have no "
+            f"`actions` includes 'offload', but {where.label} devices have no "
             "host memory apart from their own: offloading saves nothing there. Leave "
             "'offload' out (it is unavailable on this backend)."
         )
@@ -730,11 +770,15 @@ class _Group:
 
 
 class _Planner:
-    def __init__(self, loss, args, argnums, actions, max_grad_error):
+    def __init__(self, loss, args, argnums, actions, max_grad_error, where: Target | None = None):
         self.loss, self.args, self.argnums = loss, args, argnums
         self.actions, self.max_grad_error = actions, max_grad_error
-        self.concrete = all(isinstance(x, jax.Array | np.ndarray | float | int)
-                            for x in jax.tree.leaves(args))
+        # Where programs are compiled; off the running backend nothing runs, and step
+        # times are predicted from the compiled programs.
+        self.where = where = where or resolve(None)
+        self.concrete = where.runs and all(isinstance(x, jax.Array | np.ndarray | float | int)
+                                           for x in jax.tree.leaves(args))
+        self._predicted: dict[Plan | None, float] = {}
         self.compiles = 0
         self._memory: dict[Plan | None, int] = {}
         self._executables: dict[Plan | None, Any] = {}
@@ -760,10 +804,16 @@ class _Planner:
 
     def memory(self, policy: Plan | None) -> int:
         if policy not in self._memory:
-            compiled = jax.jit(self.grad_fn(policy)).lower(*self.args).compile()
-            self._memory[policy] = compiled.memory_analysis().temp_size_in_bytes
-            self._executables[policy] = compiled
             self.compiles += 1
+            try:
+                compiled = self.where.compile(self.grad_fn(policy), self.args)
+            except DoesNotFitError as e:  # a TPU compiler refuses what exceeds its HBM
+                if e.required is None:
+                    raise
+                self._memory[policy], self._executables[policy] = e.required, None
+                return e.required
+            self._memory[policy] = Memory.of(compiled).peak
+            self._executables[policy] = compiled
         return self._memory[policy]
 
     def executable(self, policy: Plan | None):
@@ -800,7 +850,8 @@ class _Planner:
 
     def _costs(self) -> None:
         packing = tuple(a for a in self.actions if a not in ("keep", "remat"))
-        rates = self._rates = _rates(packing)
+        rates = self._rates = (_rates(packing) if self.where.chip is None
+                               else _predicted_rates(packing, self.where))
         errors = self._round_trip_errors(packing) if self.concrete else {}
         traced = {a: self._stored_by_group(a) for a in packing}
         for g in self.groups:
@@ -1094,6 +1145,12 @@ class _Planner:
         hand would do), when the arguments have values; else by predicted time. Plans
         within `_TIME_TIE` of the fastest are as fast: the most accurate of them wins."""
         ranked = sorted(fits, key=lambda p: (p.predicted_seconds, self._memory[p]))
+        if self.where.chip is not None:  # nothing runs: every plan's step is predicted
+            predicted = [p for p in ranked if self._step_seconds(p) is not None]
+            if not predicted:
+                return ranked[0]
+            return _fastest_of(predicted, self._step_seconds, self._error,
+                               self._memory.__getitem__)
         if not self.concrete or len(ranked) == 1:
             return ranked[0]
         finalists = ranked[:_FINALISTS] + [p for p in ranked[_FINALISTS:]
@@ -1140,8 +1197,11 @@ class _Planner:
         if self.concrete:
             self._time_steps([result])
             step_seconds = self._step_ratio[result] * plain_seconds
+        elif self.where.chip is not None:
+            step_seconds = self._step_seconds(result)
         return dataclasses.replace(result, memory=memory, budget=target, grad_error=grad_error,
-                                   plain_step_seconds=plain_seconds, step_seconds=step_seconds)
+                                   plain_step_seconds=plain_seconds, step_seconds=step_seconds,
+                                   target=self.where.name)
 
     @functools.cached_property
     def _plain_grad(self):
@@ -1153,8 +1213,19 @@ class _Planner:
             self._measured[result] = _relative(got, self._plain_grad)
         return self._measured[result]
 
+    def _step_seconds(self, policy: Plan | None) -> float | None:
+        """A step under `policy` on the target, predicted from its compiled program
+        (`None` when the target's compiler refused it for want of memory)."""
+        if policy not in self._predicted:
+            compiled = self.executable(policy)
+            self._predicted[policy] = (
+                None if compiled is None else self.where.predicted_seconds(compiled))
+        return self._predicted[policy]
+
     @functools.lru_cache(maxsize=1)  # noqa: B019 - one planner, one measurement
     def _plain_seconds(self) -> float | None:
+        if self.where.chip is not None:
+            return self._step_seconds(None)
         if not self.concrete:
             return None
         step = self.executable(None)
@@ -1257,6 +1328,20 @@ def _rates(actions: tuple[str, ...]) -> dict[str, float]:
         trip = jax.jit(lambda x, p=policy: p.unpack(p.pack(x, info), info))
         jax.block_until_ready(trip(x))
         rates[action] = _best_time(lambda trip=trip: trip(x)) / x.nbytes
+    return rates
+
+
+@functools.cache
+def _predicted_rates(actions: tuple[str, ...], where: Target) -> dict[str, float]:
+    """`_rates` on a target, predicted: its chip's peak FLOP/s and seconds per byte of
+    memory bandwidth, and each action's pack and unpack compiled for it (a roofline)."""
+    x = jax.ShapeDtypeStruct((512, 1024), jnp.float32)
+    info = ResidualInfo(index=0, shape=x.shape, dtype=np.dtype(np.float32), primitive="tanh")
+    rates = {"flops": where.chip.flops, "bandwidth": 1 / where.chip.bandwidth}
+    for action in actions:
+        policy = _policy(action)
+        trip = where.compile(lambda x, p=policy: p.unpack(p.pack(x, info), info), [x])
+        rates[action] = where.predicted_seconds(trip) / (4 * math.prod(x.shape))
     return rates
 
 

@@ -1,5 +1,13 @@
 import os
 
+# Compile-only targets (tests/test_target.py). libtpu lets one process load it at a time
+# unless told otherwise, and every pytest-xdist worker loads it (as does every suite that
+# `make -j2 test-jax` runs side by side); nothing runs on those TPUs. JAX's CUDA plugin,
+# finding no CUDA runtime on a machine without a GPU, registers (for compiling only) when
+# its runtime check is skipped. Set before JAX loads either.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
 import jax
 import pytest
 from hypothesis import HealthCheck, Phase, settings

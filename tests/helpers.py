@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import residual
+
 TOLERANCES = {
     jnp.dtype(jnp.float64): 1e-12,
     jnp.dtype(jnp.float32): 1e-5,
@@ -84,9 +86,15 @@ def mlp_params(layers=4, width=16, batch=8, seed=0, dtype=jnp.float32):
     return ws, x
 
 
-def temp_bytes(fn, *args) -> int:
-    """Temp memory XLA allocates for the compiled `fn(*args)`."""
-    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+def peak_bytes(fn, *args) -> int:
+    """The compiled `fn(*args)`'s peak memory (`residual.Memory.peak`), as plans report it."""
+    return residual.compiled_memory(fn, *args).peak
+
+
+def beyond_bytes(fn, *args) -> int:
+    """The compiled `fn(*args)`'s peak memory beyond its arguments and outputs
+    (`residual.Memory.beyond`): the activations and residuals policies act on."""
+    return residual.compiled_memory(fn, *args).beyond
 
 
 def compiled_text(fn, *args) -> str:

@@ -65,7 +65,7 @@ def test_inspect_with_dtype_specs(model_dir, capsys):
     assert main(["inspect", "tinymodel:loss", "--arg", "f32[128,128]", "--arg", "256x128",
                  "--policy", "int8"]) == 0
     out = capsys.readouterr().out
-    assert "under Quantize(bits=8)" in out and " packed " in out and "temp memory" in out
+    assert "under Quantize(bits=8)" in out and " packed " in out and "peak memory on cpu" in out
     assert "f32[256,128]" in out and "tinymodel.py:7 (loss)" in out
     assert max(len(line) for line in out.splitlines()) <= 100
 
@@ -74,7 +74,7 @@ def test_inspect_pytree_and_integer_arguments(model_dir, capsys):
     assert main(["inspect", "tinymodel:classify", "--args", "tinymodel:example_args",
                  "--no-compile"]) == 0
     out = capsys.readouterr().out
-    assert "f32[128,256]" in out and "temp memory" not in out
+    assert "f32[128,256]" in out and "peak memory" not in out
     assert main(["inspect", "tinymodel:classify_flat", "--arg", "f32[64,256]", "--arg",
                  "f32[256,10]", "--arg", "f32[128,64]", "--arg", "i32[128]", "--no-compile"]) == 0
     assert "f32[128,256]" in capsys.readouterr().out
@@ -99,6 +99,8 @@ def test_inspect_pytree_and_integer_arguments(model_dir, capsys):
          r"one argument per parameter"),
         (["inspect", "tinymodel:loss", "--arg", "f32[4]", "--policy", "int3"],
          r"invalid choice: 'int3'"),
+        (["inspect", "tinymodel:loss", "--arg", "f32[4]", "--target", "v9"],
+         r"--target v9: Unknown `target` 'v9'.*v5e:2x2"),
         (["demo", "--steps", "0"], r"expected a positive integer, got '0'"),
         (["frobnicate"], r"invalid choice: 'frobnicate'"),
     ],
@@ -117,7 +119,8 @@ def test_demo_runs_and_ends_on_its_summary(capsys):
     out = capsys.readouterr().out
     lines = out.rstrip().splitlines()
     assert max(len(line) for line in lines) <= 100
-    assert lines[-3].lstrip().startswith("memory") and "x  compiled jit(grad)" in lines[-3]
+    assert lines[-4].lstrip().startswith("memory") and "x  compiled jit(grad)" in lines[-4]
+    assert "beyond arguments and outputs" in lines[-3]
     assert lines[-2].lstrip().startswith("step time") and lines[-1].lstrip().startswith("loss")
     assert "gradcheck OK" in out
     # Each figure once: the compiled memory appears in the report and in the summary only.

@@ -129,7 +129,7 @@ def test_inspect_reports_a_key_by_its_key_data_bytes():
 def test_inspect_under_remat_of_a_scan_slicing_keys():
     report = residual.inspect(scan_over_split_keys, *_args(layers=3), policy=rp.Remat())
     assert report.totals["stored_bytes"] < report.totals["residual_bytes"]
-    assert report.totals["temp_ratio"] <= 1.0
+    assert report.totals["peak_ratio"] <= 1.0
 
 
 def test_gradcheck_with_a_key_argument():

@@ -51,11 +51,14 @@ def test_report_rows_scan_iterations_and_policy_effect():
     assert any(r.primitive in _TANH and r.source.startswith("helpers.py:") for r in body)
     t = report.totals
     assert t["stored_bytes"] < 0.7 * t["residual_bytes"]  # the weights (half) are kept
-    assert t["hooked_temp_bytes"] < t["plain_temp_bytes"] and 0 < t["temp_ratio"] < 1
+    assert t["hooked_peak_bytes"] < t["plain_peak_bytes"] and 0 < t["peak_ratio"] < 1
+    assert t["hooked_beyond_bytes"] < t["plain_beyond_bytes"]
+    assert t["beyond_ratio"] < t["peak_ratio"]
+    assert t["target"] == jax.devices()[0].platform
     assert any(r.policy.startswith("Quantize(bits=8") for r in report.rows)
     text = str(report)
     assert re.search("tanh|one_minus_square", text)
-    assert "compiled jit(grad) temp memory" in text
+    assert "compiled jit(grad) peak memory on cpu" in text
     html = report._repr_html_()
     sections = len({r.section for r in report.rows} - {""})
     assert html.count("<tr>") == len(report.rows) + 1 + sections and "Quantize" in html
@@ -77,7 +80,7 @@ def test_inspect_works_on_shape_specs_without_running_anything():
     specs = [jax.ShapeDtypeStruct((3, 16, 16), jnp.float32), jax.ShapeDtypeStruct((4, 16),
                                                                                  jnp.float32)]
     report = residual.inspect(scan_mlp, *specs, policy=rp.Cast(jnp.bfloat16))
-    assert report.totals["plain_temp_bytes"] > 0
+    assert report.totals["plain_beyond_bytes"] > 0
 
 
 def test_gradcheck_passes_good_hooks_and_names_the_worst_residual_of_bad_ones():

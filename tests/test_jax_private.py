@@ -267,3 +267,13 @@ def test_custom_derivative_bodies_are_found_under_every_upgrade_flag(upgrade_fla
     # The primal's body, which takes the equation's operands: what a residual made
     # inside it is traced back through.
     assert [e.primitive.name for e in jp.single_body(eqns[1]).eqns] == ["tanh"]
+
+def test_optimized_cost_analysis_reads_a_compiled_program():
+    # On CPU the compiler's own analysis exists: the generic one of the same optimized
+    # program counts the same FLOPs and bytes.
+    compiled = jax.jit(lambda a: jnp.tanh(a @ a)).lower(jnp.ones((64, 64))).compile()
+    own = compiled.cost_analysis()
+    own = own[0] if isinstance(own, list) else own
+    generic = jp.optimized_cost_analysis(compiled)
+    assert generic["flops"] == own["flops"] >= 2 * 64**3
+    assert generic["bytes accessed"] == own["bytes accessed"] > 0

@@ -1,4 +1,5 @@
-"""Memory claims, checked on compiled programs: temp bytes and the dtypes XLA stores."""
+"""Memory claims, checked on compiled programs: the memory beyond arguments and outputs
+(`residual.Memory.beyond`, XLA:CPU's temp memory) and the dtypes XLA stores."""
 
 import dataclasses
 import re
@@ -13,11 +14,11 @@ import residual
 from residual import ResidualInfo
 from residual import policies as rp
 from tests.helpers import (
+    beyond_bytes,
     compiled_text,
     mlp_params,
     relative_error,
     scan_mlp,
-    temp_bytes,
     tree_allclose,
     tree_equal,
     unrolled_mlp,
@@ -42,17 +43,17 @@ class _Negate(residual.Policy):
         return -packed
 
 
-def _hooked_temp(model, policy, *args):
-    return temp_bytes(jax.grad(residual.with_hooks(model, policy=policy)), *args)
+def _hooked_beyond(model, policy, *args):
+    return beyond_bytes(jax.grad(residual.with_hooks(model, policy=policy)), *args)
 
 
 @pytest.mark.parametrize("model", [scan_mlp, unrolled_mlp], ids=lambda m: m.__name__)
-def test_identity_hooks_compile_to_plain_temp_memory(model):
+def test_identity_hooks_compile_to_plain_memory(model):
     ws, x = mlp_params(layers=6, width=128, batch=256)
-    assert _hooked_temp(model, rp.Identity(), ws, x) == temp_bytes(jax.grad(model), ws, x)
+    assert _hooked_beyond(model, rp.Identity(), ws, x) == beyond_bytes(jax.grad(model), ws, x)
 
 
-def test_scan_stores_int8_codes_per_layer_and_temp_memory_shrinks():
+def test_scan_stores_int8_codes_per_layer_and_memory_shrinks():
     ws, x = mlp_params(layers=6, width=128, batch=256)
     plain_text = compiled_text(jax.grad(scan_mlp), ws, x)
     assert re.search(r"f32\[6,256,128\]", plain_text)  # the float stack, without hooks
@@ -62,7 +63,7 @@ def test_scan_stores_int8_codes_per_layer_and_temp_memory_shrinks():
     assert not re.search(r"f32\[6,256,128\]", text)
     # 0.28x on jax 0.10; 0.48x on jax 0.11 on, whose plain scan saves one float per layer
     # fewer (tanh's derivative keeps only 1 - y²) while the packed bytes are the same.
-    assert temp_bytes(g, ws, x) <= 0.5 * temp_bytes(jax.grad(scan_mlp), ws, x)
+    assert beyond_bytes(g, ws, x) <= 0.5 * beyond_bytes(jax.grad(scan_mlp), ws, x)
 
 
 @pytest.mark.parametrize("policy", LOSSY, ids=repr)
@@ -70,8 +71,8 @@ def test_unrolled_mlp_lossy_policies_stay_well_below_plain(policy):
     # Was 1.66x plain for int8 before the engine kept XLA from fusing pack/unpack
     # across the storage; now about 0.53x (docs/xla-and-packed-residuals.md).
     ws, x = mlp_params(layers=6, width=128, batch=256)
-    plain = temp_bytes(jax.grad(unrolled_mlp), ws, x)
-    assert _hooked_temp(unrolled_mlp, policy, ws, x) <= 0.7 * plain
+    plain = beyond_bytes(jax.grad(unrolled_mlp), ws, x)
+    assert _hooked_beyond(unrolled_mlp, policy, ws, x) <= 0.7 * plain
 
 
 def test_unrolled_mlp_packs_each_layer_before_the_next_one_runs():
@@ -79,8 +80,8 @@ def test_unrolled_mlp_packs_each_layer_before_the_next_one_runs():
     # and hold five float activations at once (0.56x plain here); packed as each layer
     # runs, about 0.41x.
     ws, x = mlp_params(layers=8, width=128, batch=512)
-    plain = temp_bytes(jax.grad(unrolled_mlp), ws, x)
-    assert _hooked_temp(unrolled_mlp, rp.Quantize(bits=8), ws, x) <= 0.5 * plain
+    plain = beyond_bytes(jax.grad(unrolled_mlp), ws, x)
+    assert _hooked_beyond(unrolled_mlp, rp.Quantize(bits=8), ws, x) <= 0.5 * plain
 
 
 def test_slices_of_stacked_weights_cost_no_more_than_without_hooks():
@@ -98,7 +99,7 @@ def test_slices_of_stacked_weights_cost_no_more_than_without_hooks():
         def grad(model):
             return jax.grad(model if policy is None else residual.with_hooks(model, policy=policy))
 
-        return temp_bytes(grad(unrolled_mlp), ws, x) - temp_bytes(grad(listed_mlp), list(ws), x)
+        return beyond_bytes(grad(unrolled_mlp), ws, x) - beyond_bytes(grad(listed_mlp), list(ws), x)
 
     plain = cost_of_slices(None)
     # Stored as residuals, the six float32 slices (64 KiB each) would add 384 KiB.
@@ -157,13 +158,14 @@ def test_vmap_of_grad_keeps_the_memory_saving(policy, model):
     def per_example(fn):
         return jax.vmap(jax.grad(fn, argnums=(0, 1)), in_axes=(None, 0))
 
-    plain = temp_bytes(per_example(model), ws, xs)
+    plain = beyond_bytes(per_example(model), ws, xs)
     hooked = per_example(residual.with_hooks(model, policy=policy))
-    assert temp_bytes(hooked, ws, xs) < 0.75 * plain
+    assert beyond_bytes(hooked, ws, xs) < 0.75 * plain
     ensemble = jax.vmap(jax.grad(residual.with_hooks(model, policy=policy)))
     ensemble_plain = jax.vmap(jax.grad(model))
     models = jnp.stack([ws, 2 * ws])
-    assert temp_bytes(ensemble, models, xs[:2]) < 0.6 * temp_bytes(ensemble_plain, models, xs[:2])
+    plain = beyond_bytes(ensemble_plain, models, xs[:2])
+    assert beyond_bytes(ensemble, models, xs[:2]) < 0.6 * plain
     # Batched, each example gets exactly the gradient it gets alone.
     got = jax.jit(hooked)(ws, xs)
     alone = [jax.jit(jax.grad(residual.with_hooks(model, policy=policy), (0, 1)))(ws, x)
@@ -192,9 +194,9 @@ def test_remat_keeping_matmuls_recomputes_each_layer_of_an_unrolled_model(model)
     # the backward reaches it (gated 0.46x, tanh 0.72x here, 0.88x on jax 0.11 on: the
     # tanh MLP saves only one activation per layer, so it gains the weight slices' copies).
     ws, x = mlp_params(layers=6, width=128, batch=256)
-    plain = temp_bytes(jax.grad(model), ws, x)
+    plain = beyond_bytes(jax.grad(model), ws, x)
     bound = 0.55 if model is _gated_mlp else 0.9
-    assert _hooked_temp(model, KEEP_DOTS, ws, x) <= bound * plain
+    assert _hooked_beyond(model, KEEP_DOTS, ws, x) <= bound * plain
     hooked = jax.jit(jax.grad(residual.with_hooks(model, policy=KEEP_DOTS), argnums=(0, 1)))
     assert tree_equal(hooked(ws, x), jax.jit(jax.grad(model, argnums=(0, 1)))(ws, x))
 
@@ -207,8 +209,8 @@ def test_remat_recomputes_from_values_another_policy_packs():
                        default=rp.Remat())
     text = compiled_text(jax.grad(residual.with_hooks(_gated_mlp, policy=policy)), ws, x)
     assert len(re.findall(r"[us]8\[256,128\]", text)) >= 6
-    plain = temp_bytes(jax.grad(_gated_mlp), ws, x)
-    assert _hooked_temp(_gated_mlp, policy, ws, x) <= 0.45 * plain
+    plain = beyond_bytes(jax.grad(_gated_mlp), ws, x)
+    assert _hooked_beyond(_gated_mlp, policy, ws, x) <= 0.45 * plain
     hooked = jax.grad(residual.with_hooks(_gated_mlp, policy=policy))(ws, x)
     assert relative_error(hooked, jax.grad(_gated_mlp)(ws, x)) < 2e-2
 
@@ -284,8 +286,8 @@ def test_batch_norm_statistics_stored_as_they_are_do_not_keep_floats_alive():
     # and kept it from the forward to the backward, a float per layer: 0.90x plain
     # under int8 here, 0.81x with it read after the backward's tie.
     params, x = _conv_bn_args()
-    plain = temp_bytes(jax.grad(_conv_bn_net), params, x)
-    assert _hooked_temp(_conv_bn_net, rp.Quantize(bits=8), params, x) <= 0.85 * plain
+    plain = beyond_bytes(jax.grad(_conv_bn_net), params, x)
+    assert _hooked_beyond(_conv_bn_net, rp.Quantize(bits=8), params, x) <= 0.85 * plain
     hooked = jax.grad(residual.with_hooks(_conv_bn_net, policy=rp.Quantize(bits=8)))(params, x)
     assert relative_error(hooked, jax.grad(_conv_bn_net)(params, x)) < 2e-2
 
@@ -299,7 +301,7 @@ def test_relu_masks_are_stored_as_booleans_not_recomputed_from_floats():
     hooked = jax.grad(residual.with_hooks(_conv_bn_net, policy=rp.Quantize(bits=8)))
     masks = re.findall(r"pred\[32,32,32,\d+\]\S* conditional\(", compiled_text(hooked, params, x))
     assert len(masks) == len(params)
-    assert temp_bytes(hooked, params, x) <= 0.78 * temp_bytes(jax.grad(_conv_bn_net), params, x)
+    assert beyond_bytes(hooked, params, x) <= 0.78 * beyond_bytes(jax.grad(_conv_bn_net), params, x)
 
 
 def test_quantize_packs_a_conv_layer_without_a_float_the_size_of_its_output():
@@ -316,7 +318,7 @@ def test_quantize_packs_a_conv_layer_without_a_float_the_size_of_its_output():
     h = jax.nn.relu((h - mean) * jax.lax.rsqrt(var + 1e-5) * scale + shift)
     info = ResidualInfo(index=0, shape=h.shape, dtype=np.dtype(h.dtype))
     for policy in [rp.Quantize(bits=8), rp.Quantize(bits=4), rp.Quantize(format="fp8_e4m3")]:
-        assert temp_bytes(lambda v, p=policy: p.pack(v, info), h) <= 0.6 * h.nbytes, policy
+        assert beyond_bytes(lambda v, p=policy: p.pack(v, info), h) <= 0.6 * h.nbytes, policy
 
 
 def test_a_packed_value_is_materialized_once_for_pack_and_the_forward():
@@ -341,9 +343,9 @@ def test_a_packed_value_is_materialized_once_for_pack_and_the_forward():
         return out
 
     args = (variables["params"], variables["batch_stats"], x)
-    plain = temp_bytes(jax.grad(loss), *args)
+    plain = beyond_bytes(jax.grad(loss), *args)
     hooked = jax.grad(residual.with_hooks(loss, policy=rp.Quantize(bits=8)))
-    assert temp_bytes(hooked, *args) <= 0.85 * plain
+    assert beyond_bytes(hooked, *args) <= 0.85 * plain
     # The whole gradient: a convolution's bias before a batch norm has a gradient of
     # rounding noise only.
     got, expected = (jax.flatten_util.ravel_pytree(g)[0]

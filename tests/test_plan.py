@@ -24,7 +24,7 @@ from residual._plan import (
 from residual._record import recording
 from residual.policies import Identity
 
-from .helpers import mlp_params, relative_error, scan_mlp, temp_bytes, tree_equal, unrolled_mlp
+from .helpers import mlp_params, peak_bytes, relative_error, scan_mlp, tree_equal, unrolled_mlp
 
 # Residuals of 32 KiB (batch 128 x width 64, float32): above the planner's 16 KiB floor
 # for what is worth packing, small enough to compile in a fraction of a second.
@@ -58,8 +58,8 @@ def _scan_plan():
 def test_budget_is_met_on_the_compiled_program():
     args = _scan_args()
     p = _scan_plan()
-    plain = temp_bytes(jax.grad(scan_mlp), *args)
-    hooked = temp_bytes(jax.grad(residual.with_hooks(scan_mlp, policy=p)), *args)
+    plain = peak_bytes(jax.grad(scan_mlp), *args)
+    hooked = peak_bytes(jax.grad(residual.with_hooks(scan_mlp, policy=p)), *args)
     assert p.plain_memory == plain
     assert p.memory == hooked
     assert hooked <= _scan_budget() * plain
@@ -116,8 +116,8 @@ def test_never_above_plain_where_packing_loses():
     w, x = mlp_params(1, WIDTH, BATCH)
     w = w[0]
     p = residual.plan(one_layer, w, x, budget=None)
-    assert p.memory <= p.plain_memory == temp_bytes(jax.grad(one_layer), w, x)
-    assert temp_bytes(jax.grad(residual.with_hooks(one_layer, policy=p)), w, x) <= p.memory
+    assert p.memory <= p.plain_memory == peak_bytes(jax.grad(one_layer), w, x)
+    assert peak_bytes(jax.grad(residual.with_hooks(one_layer, policy=p)), w, x) <= p.memory
     if all(d.action == "keep" for d in p.decisions):
         assert tree_equal(_grad(one_layer, p)(w, x), _grad(one_layer)(w, x))
 
@@ -133,7 +133,7 @@ def test_least_memory_is_no_more_than_any_single_policy_within_the_bound():
     want = _grad(scan_mlp)(*args)
     for policy in (Cast(jnp.bfloat16), Quantize(bits=8), Remat()):
         if relative_error(_grad(scan_mlp, policy)(*args), want) <= least.max_grad_error:
-            memory = temp_bytes(jax.grad(residual.with_hooks(scan_mlp, policy=policy)), *args)
+            memory = peak_bytes(jax.grad(residual.with_hooks(scan_mlp, policy=policy)), *args)
             assert least.memory <= memory, policy
 
 
@@ -169,7 +169,7 @@ def test_recomputing_scan_bodies_reaches_what_remat_on_the_body_does():
     args = _scan_args()
     p = residual.plan(scan_mlp, *args, budget=None, max_grad_error=0)
     body = select([(where(in_scan=True), Remat())])
-    assert p.memory <= temp_bytes(jax.grad(residual.with_hooks(scan_mlp, policy=body)), *args)
+    assert p.memory <= peak_bytes(jax.grad(residual.with_hooks(scan_mlp, policy=body)), *args)
     assert tree_equal(_grad(scan_mlp, p)(*args), _grad(scan_mlp)(*args)) or (
         relative_error(_grad(scan_mlp, p)(*args), _grad(scan_mlp)(*args)) < 1e-6)
     assert Plan.from_json(p.to_json()) == p

@@ -205,18 +205,16 @@ def test_save_on_cpu_with_several_devices(pin_memory):
 
 def test_plan_of_sharded_arguments_budgets_per_device_memory():
     _, params, x = _setup("tensor", 1024)
-    plan = residual.plan(mlp, params, x, budget=0.9)
+    plan = residual.plan(mlp, params, x, budget=0.95)
     step = jax.jit(jax.grad(residual.with_hooks(mlp, policy=plan)))
     plain = jax.jit(jax.grad(mlp))
-    per_device = step.lower(params, x).compile().memory_analysis().temp_size_in_bytes
-    assert plan.memory == per_device <= 0.9 * plan.plain_memory
+    per_device = residual.Memory.of(step.lower(params, x).compile()).peak
+    assert plan.memory == per_device <= 0.95 * plan.plain_memory
     # The table lists residuals whole, as traced; memory is the compiled per-device one.
     assert {d.shape for d in plan.decisions} == {(1024, 512)}
-    assert plan.plain_memory == plain.lower(params, x).compile().memory_analysis(
-        ).temp_size_in_bytes
+    assert plan.plain_memory == residual.Memory.of(plain.lower(params, x).compile()).peak
     one_device = [np.asarray(w) for w in params], np.asarray(x)
-    assert plan.plain_memory < 0.75 * plain.lower(*one_device).compile().memory_analysis(
-        ).temp_size_in_bytes
+    assert plan.plain_memory < 0.75 * residual.Memory.of(plain.lower(*one_device).compile()).peak
     got, expected = step(params, x), plain(params, x)
     for g, e in zip(got, expected):
         assert g.sharding.is_equivalent_to(e.sharding, g.ndim)

@@ -1,0 +1,343 @@
+"""Memory figures and compile-only targets: which field each backend fills, TPU and GPU
+programs compiled on this machine, shardings mapped onto a slice, and the errors.
+
+The TPU tests need libtpu (`residual[tpu]`), the GPU ones JAX's CUDA plugin and ptxas
+(`residual[cuda]`); each skips, saying so, where its part is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import residual
+from residual import _target
+from residual import policies as rp
+
+from .helpers import mlp_params, scan_mlp, unrolled_mlp
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+needs_tpu = pytest.mark.skipif(
+    not _installed("libtpu"), reason="libtpu is not installed (pip install 'residual[tpu]')")
+needs_gpu = pytest.mark.skipif(
+    not _installed("jax_plugins.xla_cuda12"),
+    reason="JAX's CUDA plugin is not installed (pip install 'residual[cuda]')")
+
+
+def _step(w, x):
+    """A program with temporaries, arguments and outputs of known sizes (1 MiB each
+    argument, 1 MiB out): a training step of a 3-layer tanh MLP."""
+    def loss(w, x):
+        for _ in range(3):
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x**2)
+
+    return w - 0.1 * jax.grad(loss)(w, x)
+
+
+_ARGS = (jax.ShapeDtypeStruct((512, 512), jnp.float32),
+         jax.ShapeDtypeStruct((512, 512), jnp.float32))
+
+
+def _stats(target, donate=()):
+    placed = _target.resolve(target).place(_ARGS)
+    compiled = jax.jit(_step, donate_argnums=donate).lower(*placed).compile()
+    return compiled.memory_analysis(), residual.Memory.of(compiled)
+
+
+# Which field each backend fills ------------------------------------------------------------
+# A JAX release that fills another field fails here, not silently in every figure.
+
+
+@pytest.mark.parametrize("donate", [(), (0,)])
+def test_cpu_peak_field_holds_arguments_and_outputs_only(donate):
+    stats, memory = _stats("cpu", donate)
+    args_outs = stats.argument_size_in_bytes + stats.output_size_in_bytes
+    assert stats.argument_size_in_bytes == 2 * 2**20 and stats.output_size_in_bytes == 2**20
+    assert stats.alias_size_in_bytes == (2**20 if donate else 0)
+    assert stats.peak_memory_in_bytes == args_outs - stats.alias_size_in_bytes
+    assert stats.temp_size_in_bytes >= 2**20  # the activations: three 1 MiB layers
+    assert memory.peak == stats.peak_memory_in_bytes + stats.temp_size_in_bytes
+    assert memory.beyond == stats.temp_size_in_bytes
+    assert memory.platform == "cpu"
+
+
+@needs_tpu
+@pytest.mark.parametrize("donate", [(), (0,)])
+def test_tpu_peak_field_is_the_peak_and_temp_field_is_not(donate):
+    stats, memory = _stats("v5e", donate)
+    args_outs = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+                 - stats.alias_size_in_bytes)
+    # The buffer assignment's peak holds the activations; the temp field leaves them out.
+    assert stats.peak_memory_in_bytes >= args_outs + 2**20 > args_outs + stats.temp_size_in_bytes
+    assert memory.peak == stats.peak_memory_in_bytes and memory.platform == "tpu"
+    assert memory.beyond == stats.peak_memory_in_bytes - args_outs
+
+
+@needs_gpu
+@pytest.mark.parametrize("donate", [(), (0,)])
+def test_gpu_peak_field_is_arguments_outputs_and_temp(donate):
+    stats, memory = _stats("h100", donate)
+    assert stats.peak_memory_in_bytes == (
+        stats.argument_size_in_bytes + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+    assert stats.temp_size_in_bytes >= 2**20
+    assert memory.peak == stats.peak_memory_in_bytes and memory.platform == "gpu"
+    assert memory.beyond == stats.temp_size_in_bytes
+
+
+def test_donation_counts_a_reused_buffer_once():
+    # XLA:CPU moves the donated buffer's megabyte from arguments-and-outputs to temp: the
+    # peak stays, as the buffer is counted once.
+    plain, donated = _stats("cpu")[1], _stats("cpu", (0,))[1]
+    assert donated.aliased == 2**20
+    assert donated.peak == plain.peak
+    assert donated.beyond == plain.beyond + 2**20
+
+
+def test_memory_of_rejects_what_is_not_compiled():
+    with pytest.raises(TypeError, match=r"expects a compiled program.*Lowered"):
+        residual.Memory.of(jax.jit(jnp.sin).lower(1.0))
+
+
+# Targets: names and errors -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("target", "error", "message"),
+    [
+        ("tpu9", ValueError, r"Unknown `target` 'tpu9'.*v5e.*h100"),
+        ("v5e:2x", ValueError, r"a TPU slice shape gives chips along each axis.*'2x'"),
+        ("h100:x", ValueError, r"the number of GPUs of one host, as in 'h100:8'"),
+        ("cpu:2", ValueError, r"takes no shape"),
+        (5, TypeError, r"`target` must be None .* or a name.*int"),
+    ],
+)
+def test_bad_targets_end_in_a_clear_message(target, error, message):
+    with pytest.raises(error, match=message):
+        residual.inspect(scan_mlp, *mlp_params(), target=target)
+
+
+def test_a_target_that_is_not_installed_says_how_to_get_it(monkeypatch):
+    monkeypatch.setattr(_target, "_installed", lambda module: False)
+    _target._named.cache_clear()
+    try:
+        with pytest.raises(residual.TargetUnavailableError,
+                           match=r"'v6e:2x2' needs libtpu.*pip install 'residual\[tpu\]'"):
+            residual.plan(scan_mlp, *mlp_params(), target="v6e:2x2")
+        with pytest.raises(residual.TargetUnavailableError,
+                           match=r"'a100' needs JAX's CUDA plugin.*'residual\[cuda\]'"):
+            residual.compiled_memory(jnp.sin, jnp.ones(3), target="a100")
+    finally:
+        _target._named.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("raised", "message"),
+    [
+        (RuntimeError('ABORTED: Internal error when accessing libtpu multi-process lockfile.'),
+         r"another process holds it.*ALLOW_MULTIPLE_LIBTPU_LOAD=1"),
+        (NotImplementedError("topology not implemented for cuda"),
+         r"CUDA plugin is installed but did not register.*JAX_PLATFORMS=cpu"),
+    ],
+)
+def test_a_target_jax_cannot_load_says_why(monkeypatch, raised, message):
+    from jax.experimental import topologies
+
+    def refuse(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(_target, "_installed", lambda module: True)
+    monkeypatch.setattr(topologies, "get_topology_desc", refuse)
+    _target._named.cache_clear()
+    try:
+        with pytest.raises(residual.TargetUnavailableError, match=message):
+            _target.resolve("h100" if "cuda" in str(raised) else "v5e")
+    finally:
+        _target._named.cache_clear()
+
+
+def test_cpu_target_gives_the_running_backends_figures():
+    ws, x = mlp_params(layers=4, width=64, batch=128)
+    here = residual.inspect(scan_mlp, ws, x, policy=rp.Quantize(bits=8, min_bytes=0))
+    cpu = residual.inspect(scan_mlp, ws, x, policy=rp.Quantize(bits=8, min_bytes=0),
+                           target="cpu")
+    assert {k: v for k, v in here.totals.items() if k != "target"} == {
+        k: v for k, v in cpu.totals.items() if k != "target"}
+    assert here.totals["target"] == "cpu" and cpu.totals["target"] == "cpu"
+
+
+def test_gradcheck_reports_memory_on_request():
+    ws, x = mlp_params(layers=4, width=64, batch=128)
+    policy = rp.Remat()
+    result = residual.gradcheck(scan_mlp, ws, x, policy=policy, memory=True)
+    plain = residual.compiled_memory(_backward(scan_mlp), ws, x)
+    hooked = residual.compiled_memory(
+        _backward(residual.with_hooks(scan_mlp, policy=policy)), ws, x)
+    assert (result.plain_memory, result.hooked_memory) == (plain, hooked)
+    assert result.target == "cpu" and hooked.beyond < plain.beyond
+    assert f"compiled peak memory on cpu: {hooked.peak / 2**20:.2f} MiB" in repr(result)
+    assert residual.gradcheck(scan_mlp, ws, x, policy=policy).plain_memory is None
+
+
+# Compiled for a TPU or a GPU, on this machine ----------------------------------------------
+
+TARGETS = [pytest.param("v5e", marks=needs_tpu), pytest.param("v6e", marks=needs_tpu),
+           pytest.param("h100", marks=needs_gpu)]
+PLATFORM = {"v5e": "tpu", "v6e": "tpu", "h100": "gpu"}
+
+
+def _backward(fn):
+    from residual._inspect import _backward
+
+    return _backward(fn)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_inspect_reports_the_targets_own_figures(target):
+    ws, x = mlp_params(layers=4, width=256, batch=512)
+    report = residual.inspect(scan_mlp, ws, x, policy=rp.Remat(), target=target)
+    t = report.totals
+    plain = residual.compiled_memory(_backward(scan_mlp), ws, x, target=target)
+    here = residual.compiled_memory(_backward(scan_mlp), ws, x)
+    assert plain.platform == PLATFORM[target] and plain.peak != here.peak
+    assert t["target"] == target
+    assert (t["plain_peak_bytes"], t["plain_beyond_bytes"]) == (plain.peak, plain.beyond)
+    # Recomputing the scan body stores one activation per layer, not three.
+    assert t["hooked_beyond_bytes"] < t["plain_beyond_bytes"]
+    assert f"peak memory on {target}: " in str(report)
+
+
+# Actions whose programs compile fast (quantized programs take 5-20 s each on TPU).
+ACTIONS = ["keep", "bf16", "remat"]
+
+
+@pytest.mark.parametrize(("target", "model", "layers"), [
+    pytest.param("v5e", unrolled_mlp, 2, marks=needs_tpu),
+    pytest.param("v5e", scan_mlp, 4, marks=needs_tpu),
+    pytest.param("h100", unrolled_mlp, 4, marks=needs_gpu),
+])
+def test_plan_on_a_target_is_never_above_plain_and_runs_nothing(target, model, layers):
+    ws, x = mlp_params(layers=layers, width=256, batch=512)
+    where = _target.resolve(target)
+    p = residual.plan(model, ws, x, budget=None, target=target, actions=ACTIONS)
+    assert p.target == target and p.grad_error is None  # nothing ran
+    plain = residual.compiled_memory(jax.grad(model), ws, x, target=target).peak
+    assert p.memory <= p.plain_memory == plain
+    hooked = jax.grad(residual.with_hooks(model, policy=p))
+    assert residual.compiled_memory(hooked, ws, x, target=target).peak == p.memory
+    # Step times are the roofline of the compiled programs, and say so.
+    assert p.step_seconds == pytest.approx(where.predicted_seconds(where.compile(hooked, (ws, x))))
+    assert p.plain_step_seconds == pytest.approx(
+        where.predicted_seconds(where.compile(jax.grad(model), (ws, x))))
+    assert f"predicted step on {target} (roofline of the compiled program, not run)" in str(p)
+
+
+@needs_tpu
+def test_plan_stays_at_plain_where_a_policy_loses_on_tpu():
+    # Two layers on v5e: bfloat16 residuals take 1.27x plain's peak (the TPU compiler
+    # keeps the floats it fuses as well as the packed copies); the plan keeps them.
+    ws, x = mlp_params(layers=2, width=256, batch=512)
+    cast = jax.grad(residual.with_hooks(unrolled_mlp, policy=rp.Cast(jnp.bfloat16)))
+    plain = residual.compiled_memory(jax.grad(unrolled_mlp), ws, x, target="v5e").peak
+    assert residual.compiled_memory(cast, ws, x, target="v5e").peak > 1.1 * plain
+    p = residual.plan(unrolled_mlp, ws, x, budget=None, target="v5e", actions=ACTIONS)
+    assert p.memory <= plain and all(d.action != "bf16" for d in p.decisions)
+
+
+@needs_tpu
+def test_plan_sweep_on_a_target_is_monotone_and_predicted():
+    ws, x = mlp_params(layers=4, width=256, batch=512)
+    sweep = residual.plan_sweep(scan_mlp, ws, x, budgets=[None, 0.9, 1.0], target="v5e",
+                                actions=ACTIONS)
+    least, tight, loose = sweep.plans
+    assert least.memory <= tight.memory <= loose.memory <= sweep.plain_memory
+    assert loose.step_seconds <= (1 + 0.05) * min(least.step_seconds, tight.step_seconds)
+    assert sweep.target == "v5e" and "peak memory on v5e" in str(sweep)
+    assert "overhead: predicted" in str(sweep)
+
+
+@needs_tpu
+def test_plan_fits_a_chip_that_plain_jax_grad_does_not():
+    # 16 layers of 1 GiB activations: plain jax.grad needs about 30 GiB on a 16 GiB v5e,
+    # and its compiler refuses the program; recomputing the layers brings it under 15 GiB.
+    ws = jax.ShapeDtypeStruct((16, 4096, 4096), jnp.float32)
+    x = jax.ShapeDtypeStruct((65536, 4096), jnp.float32)
+    with pytest.raises(_target.DoesNotFitError,
+                       match=r"does not fit on one device of target 'v5e'") as refused:
+        residual.compiled_memory(jax.grad(scan_mlp), ws, x, target="v5e")
+    assert refused.value.required > 16 * 2**30
+    p = residual.plan(scan_mlp, ws, x, budget="15 GiB", target="v5e", actions=["keep", "remat"])
+    assert p.plain_memory == refused.value.required
+    assert p.memory <= 15 * 2**30 and p.plain_step_seconds is None and p.step_seconds > 0
+    assert residual.compiled_memory(jax.grad(residual.with_hooks(scan_mlp, policy=p)), ws, x,
+                                    target="v5e").peak == p.memory
+
+
+@pytest.mark.parametrize("target", [pytest.param("v5e:2x2", marks=needs_tpu),
+                                    pytest.param("h100:4", marks=needs_gpu)])
+def test_memory_is_per_device_on_a_slice(target):
+    devices = _target.resolve(target).devices
+    assert len(devices) == 4
+    mesh = Mesh(np.array(devices), ("data",))
+    ws = jax.ShapeDtypeStruct((4, 256, 256), jnp.float32, sharding=NamedSharding(mesh, P()))
+    batch = jax.ShapeDtypeStruct((2048, 256), jnp.float32)
+    split = jax.ShapeDtypeStruct(batch.shape, batch.dtype,
+                                 sharding=NamedSharding(mesh, P("data")))
+    one = residual.compiled_memory(jax.grad(scan_mlp), ws, batch, target=target)
+    four = residual.compiled_memory(jax.grad(scan_mlp), ws, split, target=target)
+    weights, inputs = 4 * 256 * 256 * 4, 2048 * 256 * 4
+    assert one.arguments == weights + inputs and four.arguments == weights + inputs // 4
+    # Each device holds a quarter of the batch's activations.
+    assert four.beyond < 0.5 * one.beyond
+    with pytest.raises(ValueError, match=r"sharded over a mesh of 8 devices.*has 4"):
+        big = Mesh(np.array(_target.resolve(target.split(":")[0] + (
+            ":2x4" if target.startswith("v5e") else ":8")).devices), ("data",))
+        residual.compiled_memory(jax.grad(scan_mlp), ws, jax.ShapeDtypeStruct(
+            batch.shape, batch.dtype, sharding=NamedSharding(big, P("data"))), target=target)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_gradcheck_memory_on_a_target(target):
+    ws, x = mlp_params(layers=4, width=256, batch=512)
+    result = residual.gradcheck(scan_mlp, ws, x, policy=rp.Remat(), target=target)
+    assert result.ok and result.target == target
+    assert result.plain_memory == residual.compiled_memory(_backward(scan_mlp), ws, x,
+                                                           target=target)
+    assert result.hooked_memory.platform == PLATFORM[target]
+
+
+@pytest.mark.skipif(not (_installed("libtpu") or _installed("jax_plugins.xla_cuda12")),
+                    reason="neither libtpu nor JAX's CUDA plugin is installed")
+def test_the_extras_leave_plain_cpu_use_alone():
+    # A fresh process without the variables this suite sets: JAX starts on the CPU with
+    # libtpu and the CUDA plugin installed (each finds no device and stands aside).
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "ALLOW_MULTIPLE_LIBTPU_LOAD", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "JAX_PLATFORMS")}
+    code = ("import jax, jax.numpy as jnp, residual\n"
+            "from residual import policies as rp\n"
+            "f = lambda x: jnp.sum(jnp.tanh(x) ** 2)\n"
+            "r = residual.inspect(f, jnp.ones((256, 256)), policy=rp.Quantize(bits=8))\n"
+            "print(jax.default_backend(), r.totals['target'],"
+            " float(jax.grad(residual.with_hooks(f))(jnp.ones(3))[0]) > 0)\n")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["cpu", "cpu", "True"]
