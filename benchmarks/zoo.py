@@ -1,13 +1,17 @@
 """Models built from other libraries' layers: memory and gradient error per policy.
 
-For a flax NNX transformer (`nnx.scan` over blocks), a haiku transformer
-(`hk.layer_stack`), a flax Linen CNN with BatchNorm (unrolled) and an equinox
-transformer (`lax.scan`): XLA's temp memory of the compiled `jit(grad)` under each
-policy relative to plain `jax.grad` (compile-only), and the relative L2 error of the
-whole gradient, ||g - g_plain|| / ||g_plain||, with both computed in the same run.
+For a flax NNX transformer (`nnx.scan` over blocks, and the same blocks unrolled), a
+haiku transformer (`hk.layer_stack`), an equinox transformer (`lax.scan`), a keras-hub
+GPT-2 (`GPT2Backbone`, JAX backend, unrolled) and a flax Linen CNN with BatchNorm
+(unrolled): XLA's temp memory of the compiled `jit(grad)` under each policy relative
+to plain `jax.grad` (compile-only), and the relative L2 error of the whole gradient,
+||g - g_plain|| / ||g_plain||, with both computed in the same run. All at random init.
 
     python benchmarks/zoo.py            # sizes where activations dominate (minutes on 2 cores)
     python benchmarks/zoo.py --small    # a quick run
+
+keras and keras-hub are in the `bench` extra (`pip install -e .[bench]`; keras-hub
+pulls in tensorflow-text and tensorflow); without them the GPT-2 is skipped.
 """
 
 from __future__ import annotations
@@ -79,6 +83,11 @@ def main(small: bool) -> int:
         POLICIES | PER_LAYER_REMAT, transformer_targets,
     )
     failed += measure(
+        f"flax NNX transformer, the same blocks unrolled, {shape}",
+        *models.nnx_transformer(blocks, width, heads, seq, batch, scan=False),
+        POLICIES, transformer_targets,
+    )
+    failed += measure(
         f"haiku transformer (hk.layer_stack), {shape}",
         *models.haiku_transformer(blocks, width, heads, seq, batch),
         POLICIES | PER_LAYER_REMAT, transformer_targets,
@@ -88,6 +97,14 @@ def main(small: bool) -> int:
         f"equinox transformer (lax.scan), {shape}",
         loss, (params, tokens), POLICIES | PER_LAYER_REMAT, transformer_targets,
     )
+    try:
+        gpt2 = models.keras_gpt2(blocks, width, heads, seq, batch)
+    except ImportError as error:
+        print(f"\nkeras-hub GPT-2 skipped: {error}. It needs keras and keras-hub "
+              "(`pip install -e .[bench]`).")
+    else:
+        failed += measure(f"keras-hub GPT-2 (GPT2Backbone, JAX backend), {shape}", *gpt2,
+                          POLICIES, transformer_targets)
     failed += measure(
         f"flax Linen CNN + BatchNorm, {stages} stages x 2 convs, {channels} channels, "
         f"{size}x{size} images, batch {images}",
