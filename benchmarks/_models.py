@@ -1,4 +1,5 @@
-"""The models the benchmarks measure: scan and unrolled tanh MLPs, an equinox transformer."""
+"""The models the benchmarks measure: scan and unrolled tanh MLPs, transformers built from
+equinox, flax NNX, haiku and keras-hub layers, a flax Linen CNN."""
 
 from __future__ import annotations
 
@@ -99,8 +100,10 @@ def transformer(blocks=4, width=256, heads=4, seq=128, batch=8, seed=0):
 # with `loss(*args)` a scalar to differentiate with respect to its first argument.
 
 
-def nnx_transformer(blocks=4, width=256, heads=4, seq=128, batch=8, vocab=512, seed=0):
-    """A flax NNX causal transformer: blocks stacked by `nnx.vmap`, run by `nnx.scan`."""
+def nnx_transformer(blocks=4, width=256, heads=4, seq=128, batch=8, vocab=512, seed=0,
+                    scan=True):
+    """A flax NNX causal transformer: blocks stacked by `nnx.vmap`, run by `nnx.scan`
+    (`scan=False`: the same blocks, unstacked, called one after the other)."""
     import optax
     from flax import nnx
 
@@ -138,7 +141,17 @@ def nnx_transformer(blocks=4, width=256, heads=4, seq=128, batch=8, vocab=512, s
             x = layer(self.embed(tokens), self.blocks)
             return self.embed.attend(self.norm(x))
 
-    graphdef, params = nnx.split(NnxTransformer(nnx.Rngs(seed)))
+    class NnxUnrolled(NnxTransformer):
+        # The same parameters as the scanned model, each block's taken out of the stack.
+        def __call__(self, tokens):
+            graphdef, stacked = nnx.split(self.blocks)
+            x = self.embed(tokens)
+            for i in range(blocks):
+                x = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked))(x)
+            return self.embed.attend(self.norm(x))
+
+    model = (NnxTransformer if scan else NnxUnrolled)(nnx.Rngs(seed))
+    graphdef, params = nnx.split(model)
     tokens = jax.random.randint(jax.random.PRNGKey(seed), (batch, seq + 1), 0, vocab)
 
     def loss(params, tokens):
@@ -196,3 +209,41 @@ def linen_cnn(stages=3, channels=32, size=64, batch=32, seed=0):
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
     return loss, (variables["params"], variables["batch_stats"], x, labels)
+
+
+def keras_gpt2(blocks=4, width=256, heads=4, seq=128, batch=8, vocab=512, seed=0):
+    """A keras-hub `GPT2Backbone` (JAX backend, random init), its logits from the tied
+    token embedding, next-token cross-entropy through `stateless_call`.
+
+    Raises `ImportError` when keras or keras-hub is missing, and `RuntimeError` when
+    keras was imported with another backend than JAX.
+    """
+    import os
+
+    os.environ.setdefault("KERAS_BACKEND", "jax")  # read when keras is first imported
+    import keras
+    import keras_hub
+    import optax
+
+    if keras.backend.backend() != "jax":
+        raise RuntimeError(
+            f"keras runs on the {keras.backend.backend()!r} backend; this model needs "
+            "JAX. Set KERAS_BACKEND=jax before keras is imported."
+        )
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=vocab, num_layers=blocks, num_heads=heads, hidden_dim=width,
+        intermediate_dim=4 * width, dropout=0.0, max_sequence_length=seq)
+    tokens = jax.random.randint(jax.random.PRNGKey(seed), (batch, seq + 1), 0, vocab)
+    trainable = [v.value for v in backbone.trainable_variables]
+    non_trainable = [v.value for v in backbone.non_trainable_variables]
+    embedding = [v.path for v in backbone.trainable_variables].index(
+        "token_embedding/embeddings")
+
+    def loss(trainable, non_trainable, tokens):
+        inputs = {"token_ids": tokens[:, :-1], "padding_mask": jnp.ones_like(tokens[:, :-1])}
+        hidden, _ = backbone.stateless_call(trainable, non_trainable, inputs)
+        logits = hidden @ trainable[embedding].T
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return loss, (trainable, non_trainable, tokens)

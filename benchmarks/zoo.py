@@ -1,15 +1,19 @@
 """Models built from other libraries' layers: memory and gradient error per policy.
 
-For a flax NNX transformer (`nnx.scan` over blocks), a haiku transformer
-(`hk.layer_stack`), a flax Linen CNN with BatchNorm (unrolled) and an equinox
-transformer (`lax.scan`): the compiled `jit(grad)`'s peak memory under each policy
-relative to plain `jax.grad` (compile-only; `--target` compiles for hardware that need
-not be here), and the relative L2 error of the whole gradient, ||g - g_plain|| /
-||g_plain|| (run on this machine), with both computed in the same run.
+For a flax NNX transformer (`nnx.scan` over blocks, and the same blocks unrolled), a
+haiku transformer (`hk.layer_stack`), an equinox transformer (`lax.scan`), a keras-hub
+GPT-2 (`GPT2Backbone`, JAX backend, unrolled) and a flax Linen CNN with BatchNorm
+(unrolled), all at random init: the compiled `jit(grad)`'s peak memory under each
+policy relative to plain `jax.grad` (compile-only; `--target` compiles for hardware
+that need not be here), and the relative L2 error of the whole gradient, ||g -
+g_plain|| / ||g_plain|| (run on this machine), with both computed in the same run.
 
     python benchmarks/zoo.py            # sizes where activations dominate (minutes on 2 cores)
     python benchmarks/zoo.py --small    # a quick run
     python benchmarks/zoo.py --target v5e
+
+keras and keras-hub are in the `bench` extra (`pip install -e .[bench]`; keras-hub
+pulls in tensorflow-text and tensorflow); without them the GPT-2 is skipped.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ POLICIES = {
     "Cast(bf16)": rp.Cast(jnp.bfloat16),
     "Quantize int8": rp.Quantize(bits=8),
     "Quantize int4": rp.Quantize(bits=4),
+    # The square grid for mostly-small non-negative groups (softmax probabilities) is
+    # int4's default; without it, for comparison.
+    "int4 uniform grid": rp.Quantize(bits=4, grid="uniform"),
 }
 # Recompute each layer from its input in the backward: only where the layers are one
 # `lax.scan` (the unrolled CNN has no per-layer boundary a policy can see).
@@ -59,7 +66,7 @@ def measure(name, loss, args, policies, targets, target=None):
         ratio = memory.peak / plain.peak
         error = relative_error(jax.jit(hooked)(*args), expected)
         results[label] = ratio, error
-        print(f"  {label:18s} {ratio:14.2f} {memory.beyond / max(plain.beyond, 1):7.2f} "
+        print(f"  {label:18s} {ratio:14.3f} {memory.beyond / max(plain.beyond, 1):7.2f} "
               f"{error:11.2e}")
     return _targets.report(results, targets)
 
@@ -82,6 +89,11 @@ def main(small: bool, target: str | None = None) -> int:
         POLICIES | PER_LAYER_REMAT, transformer_targets, target,
     )
     failed += measure(
+        f"flax NNX transformer, the same blocks unrolled, {shape}",
+        *models.nnx_transformer(blocks, width, heads, seq, batch, scan=False),
+        POLICIES, transformer_targets, target,
+    )
+    failed += measure(
         f"haiku transformer (hk.layer_stack), {shape}",
         *models.haiku_transformer(blocks, width, heads, seq, batch),
         POLICIES | PER_LAYER_REMAT, transformer_targets, target,
@@ -91,6 +103,14 @@ def main(small: bool, target: str | None = None) -> int:
         f"equinox transformer (lax.scan), {shape}",
         loss, (params, tokens), POLICIES | PER_LAYER_REMAT, transformer_targets, target,
     )
+    try:
+        gpt2 = models.keras_gpt2(blocks, width, heads, seq, batch)
+    except ImportError as error:
+        print(f"\nkeras-hub GPT-2 skipped: {error}. It needs keras and keras-hub "
+              "(`pip install -e .[bench]`).")
+    else:
+        failed += measure(f"keras-hub GPT-2 (GPT2Backbone, JAX backend), {shape}", *gpt2,
+                          POLICIES, transformer_targets, target)
     failed += measure(
         f"flax Linen CNN + BatchNorm, {stages} stages x 2 convs, {channels} channels, "
         f"{size}x{size} images, batch {images}",
