@@ -310,10 +310,13 @@ class Quantize(Policy):
         size = math.prod(layout.padded)
         codes = layout.split(_unpack_codes(packed["codes"], self.bits, size))
         zero = jnp.expand_dims(packed["zero"], layout.reduced)
-        codes = codes.astype(jnp.float32)
-        grid = codes - zero.astype(jnp.float32)
+        # NaN marks compare the integer codes: comparing their float copy instead
+        # changes the TPU compiler's fusions (v5e, scan MLP int8: 0.79x plain's peak
+        # against 0.69x).
+        floats = codes.astype(jnp.float32)
+        grid = floats - zero.astype(jnp.float32)
         if self._square_grid:
-            grid = jnp.where(zero == _SQUARE, codes * codes, grid)
+            grid = jnp.where(zero == _SQUARE, floats * floats, grid)
         values = grid * jnp.abs(scale)
         values = jnp.where(jnp.signbit(scale) & (codes == 0), jnp.nan, values)
         return layout.merge(values).astype(info.dtype)
