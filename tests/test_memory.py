@@ -309,7 +309,9 @@ def test_quantize_packs_a_conv_layer_without_a_float_the_size_of_its_output():
     # whole: a float of the activation's size computed in the NaN-safe branch, which
     # runs only on NaN or Inf, counted in every pack (1.1x the activation here; in
     # a flax Linen CNN, at the peak of its forward). Codes and scales need less: a
-    # byte per element before packing them two or four to a byte.
+    # byte per element before packing them two or four to a byte (0.5x the float
+    # here at 4 bits), and per-group statistics, each 1/64 of the float (the square
+    # grid's choice adds six of them: 0.59x on jax 0.10, 0.60x on 0.11 and 0.12).
     params, x = _conv_bn_args()
     (w, scale, shift), *_ = params
     h = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
@@ -318,7 +320,7 @@ def test_quantize_packs_a_conv_layer_without_a_float_the_size_of_its_output():
     h = jax.nn.relu((h - mean) * jax.lax.rsqrt(var + 1e-5) * scale + shift)
     info = ResidualInfo(index=0, shape=h.shape, dtype=np.dtype(h.dtype))
     for policy in [rp.Quantize(bits=8), rp.Quantize(bits=4), rp.Quantize(format="fp8_e4m3")]:
-        assert beyond_bytes(lambda v, p=policy: p.pack(v, info), h) <= 0.6 * h.nbytes, policy
+        assert beyond_bytes(lambda v, p=policy: p.pack(v, info), h) <= 0.65 * h.nbytes, policy
 
 
 def test_a_packed_value_is_materialized_once_for_pack_and_the_forward():
