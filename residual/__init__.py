@@ -11,6 +11,9 @@ from ._inspect import Report as Report
 from ._inspect import inspect as inspect
 from ._memory import Memory as Memory
 from ._memory import compiled_memory as compiled_memory
+from ._peak import Peak as Peak
+from ._peak import PeakRow as PeakRow
+from ._peak import peak as peak
 from ._plan import Plan as Plan
 from ._plan import PlanSweep as PlanSweep
 from ._plan import plan as plan

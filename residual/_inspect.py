@@ -18,6 +18,7 @@ import numpy as np
 
 from . import _jax_private as jp
 from ._info import dtype_name
+from ._memory import Memory
 from ._policy import Policy
 from ._record import Record, recording
 from ._residuals import _OWN_FILES, _producers, _Provenance, _trace_origin, is_own_file
@@ -86,7 +87,11 @@ class Report:
             (`plain_beyond_bytes`, `hooked_beyond_bytes`, `beyond_ratio`).
         policy: the policy inspected, as the table's title names it.
         notes: sentences on what the figures mean here (when the policy packed
-            nothing and why; when packing does not lower the compiled memory).
+            nothing and why; when packing does not lower the compiled memory; how many
+            decisions took no effect in the compiled program, with `peak=True`).
+        peak: with `peak=True`, the `residual.Peak` of the compiled program under the
+            policy: what is live at its peak, over time, and each decision that took no
+            effect; else `None`.
     """
 
     rows: tuple[Row, ...]
@@ -94,6 +99,7 @@ class Report:
     policy: str
     sections: dict[str, str] = dataclasses.field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    peak: Any = None
 
     def __repr__(self) -> str:
         return self.text()
@@ -182,6 +188,8 @@ class Report:
                 f"  beyond arguments and outputs: {plain} plain, {hooked} under the policy "
                 f"({t['beyond_ratio']:.2f}x)"
             )
+        if self.peak is not None:
+            lines.append(f"  {self.peak._summary()[0]} (`report.peak` for the whole of it)")
         return lines
 
     def _repr_html_(self) -> str:
@@ -283,6 +291,7 @@ def inspect(
     policy: Policy | None = None,
     compiled: bool = True,
     target: str | None = None,
+    peak: bool = False,
     **kwargs: Any,
 ) -> Report:
     """Lists every residual `f` saves at these arguments, and what `policy` does to it.
@@ -304,6 +313,10 @@ def inspect(
         target: where to compile: `None` for the running backend, or a TPU or GPU
             compiled for without one (`"v5e"`, `"v5e:2x2"`, `"h100"`, ...; see the
             Targets page), with the arguments' shardings mapped onto its devices.
+        peak: also read what is live at the compiled program's peak under the policy
+            (`report.peak`, a `residual.Peak`), and check each decision against it: a
+            residual packed or offloaded whose float the compiled program
+            still keeps for the backward is flagged. Needs `compiled=True`.
         **kwargs: keyword arguments of `f`.
 
     Returns:
@@ -320,6 +333,11 @@ def inspect(
     """
     from .policies.identity import Identity
 
+    if peak and not compiled:
+        raise ValueError(
+            "`inspect(..., peak=True)` reads the compiled program's peak, but "
+            "`compiled=False` asks not to compile it: drop `compiled=False`."
+        )
     fn = functools.partial(f, **kwargs) if kwargs else f
     probe = policy if policy is not None else Identity()
     with recording() as records:
@@ -332,10 +350,23 @@ def inspect(
         "stored_bytes": stored,
         "ratio": stored / residual_bytes if residual_bytes else 1.0,
     }
+    at_peak = None
+    flagged: list[str] = []
     if compiled:
         where = resolve(target)
         plain = where.memory(_backward(fn), args)
-        hooked = where.memory(_backward(with_hooks(fn, policy=probe)), args)
+        hooked_fn = _backward(with_hooks(fn, policy=probe))
+        if peak:
+            from . import _buffers, _peak
+
+            program_, texts = where.compile_with_dumps(hooked_fn, args)
+            hooked = Memory.of(program_)
+            program = _buffers.parse(texts["module"], texts["assignment"], texts["live_ranges"])
+            at_peak = _peak.from_program(program, hooked, where.label)
+            flagged = _peak.unkept_decisions(at_peak, program, rows)
+            at_peak = dataclasses.replace(at_peak, notes=(*flagged, *at_peak.notes))
+        else:
+            hooked = where.memory(hooked_fn, args)
         totals.update(
             target=where.label,
             plain_peak_bytes=plain.peak,
@@ -358,8 +389,15 @@ def inspect(
                 "packed form. Packing pays on deep or wide models with large activations; "
                 "on shallow or small ones, keep plain `jax.grad`."
             )
+    if flagged:
+        acted = sum(r.how == "packed" for r in rows)
+        notes.append(
+            f"{len(flagged)} of {acted} decisions took no effect in the compiled program: "
+            "the float is still kept for the backward, or is an argument alive anyway "
+            "(`report.peak` lists them)."
+        )
     label = _label(policy) if policy is not None else "plain jax.grad"
-    return Report(rows, totals, label, sections, tuple(notes))
+    return Report(rows, totals, label, sections, tuple(notes), at_peak)
 
 
 def nothing_packed(records: list[Record], policy: Policy) -> str | None:

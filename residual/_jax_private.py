@@ -341,3 +341,49 @@ def optimized_cost_analysis(compiled: jax.stages.Compiled) -> dict[str, float]:
 
     modules = compiled.runtime_executable().hlo_modules()
     return dict(_jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), modules[0]))
+
+
+# XLA's dump file suffixes for a compiled module: the optimized module with its
+# metadata, its buffer assignment and its live ranges (`<platform>_after_optimizations`
+# on CPU and GPU, `after_optimizations` on TPU).
+DUMPS = {
+    "module": "after_optimizations.txt",
+    "assignment": "after_optimizations-buffer-assignment.txt",
+    "live_ranges": "after_optimizations-live-range.txt",
+}
+
+
+def compile_with_dumps(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, dict[str, str]]:
+    """`lowered.compile()`, and XLA's texts of the compiled module (`DUMPS`'s keys).
+
+    XLA writes them with its debug option `xla_dump_to`, passed per compilation;
+    dumping does not change the compiled program. JAX exposes no buffer assignment
+    otherwise (`serialized_buffer_assignment_proto` is empty on the releases tried).
+    """
+    import glob
+    import os
+    import re
+    import tempfile
+
+    # Only the program's own module: XLA:CPU compiles some fusions as modules of their own.
+    name = str(lowered.compiler_ir().operation.attributes["sym_name"]).strip('"')
+    with tempfile.TemporaryDirectory(prefix="residual-xla-") as folder:
+        compiled = lowered.compile(compiler_options={
+            "xla_dump_to": folder, "xla_dump_hlo_as_text": True,
+            "xla_dump_hlo_pass_re": "", "xla_dump_hlo_module_re": f"^{re.escape(name)}$",
+        })
+        found = {}
+        for key, suffix in DUMPS.items():
+            paths = sorted(p for p in glob.glob(os.path.join(folder, f"*{suffix}"))
+                           if p.endswith(suffix) and (key != "module" or "-" not in
+                                                      os.path.basename(p).rsplit(".", 2)[-2]))
+            if not paths:
+                names = sorted(os.listdir(folder))
+                raise RuntimeError(
+                    f"XLA wrote no '*{suffix}' for this program (it wrote {names[:12]}): "
+                    "this JAX release names or writes its dumps differently. Please report "
+                    "it with your jax and jaxlib versions."
+                )
+            with open(paths[-1]) as f:
+                found[key] = f.read()
+    return compiled, found

@@ -21,6 +21,7 @@ memory bandwidth (a roofline), not measured.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -117,18 +118,38 @@ class Target:
             DoesNotFitError: the program needs more memory than one device has (a TPU
                 compiler refuses such a program).
         """
+        lowered = self.lower(fn, args)
+        with self._compile_errors():
+            return lowered.compile()
+
+    def compile_with_dumps(self, fn: Callable, args: Sequence[Any]):
+        """`compile`, and XLA's texts of the compiled program (`_jax_private.DUMPS`)."""
+        from . import _jax_private as jp
+
+        lowered = self.lower(fn, args)
+        with self._compile_errors():
+            return jp.compile_with_dumps(lowered)
+
+    def lower(self, fn: Callable, args: Sequence[Any]) -> jax.stages.Lowered:
+        """`jax.jit(fn)` lowered at `args`, placed on this target's devices."""
         if self.name is None:
-            return jax.jit(fn).lower(*args).compile()
+            return jax.jit(fn).lower(*args)
         placed = self.place(args)
+        with self._compile_errors():
+            return jax.jit(fn).lower(*placed)
+
+    @contextlib.contextmanager
+    def _compile_errors(self):
+        """Compiler errors as what they mean for this target."""
         try:
-            return jax.jit(fn).lower(*placed).compile()
+            yield
         except jax.errors.JaxRuntimeError as e:
-            too_big = DoesNotFitError.parse(e, self)
+            too_big = None if self.name is None else DoesNotFitError.parse(e, self)
             if too_big is None:
                 raise
             raise too_big from None
         except ValueError as e:
-            if "incompatible devices" not in str(e):
+            if self.name is None or "incompatible devices" not in str(e):
                 raise
             raise ValueError(
                 f"Compiling for target {self.name!r} failed: the function builds shardings on "

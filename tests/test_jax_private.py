@@ -277,3 +277,25 @@ def test_optimized_cost_analysis_reads_a_compiled_program():
     generic = jp.optimized_cost_analysis(compiled)
     assert generic["flops"] == own["flops"] >= 2 * 64**3
     assert generic["bytes accessed"] == own["bytes accessed"] > 0
+
+
+def test_compile_with_dumps_writes_the_buffer_assignment_and_live_ranges():
+    # XLA names its dumps and lays out their text per release: the parsed program's
+    # arguments must come to the compiler's own argument bytes, and every buffer
+    # live at some position of the program's order.
+    from residual import _buffers
+
+    x = jnp.ones((256, 128))
+    lowered = jax.jit(jax.grad(lambda x: jnp.sum(jnp.tanh(x) ** 2))).lower(x)
+    compiled, texts = jp.compile_with_dumps(lowered)
+    assert set(texts) == set(jp.DUMPS) and all(texts.values())
+    program = _buffers.parse(texts["module"], texts["assignment"], texts["live_ranges"])
+    arguments = [b for b in program.buffers if b.role == "argument"]
+    assert sum(b.bytes for b in arguments) == compiled.memory_analysis().argument_size_in_bytes
+    assert [(b.shape.split("{")[0], b.op_name) for b in arguments] == [("f32[256,128]", "x")]
+    assert program.order and all(0 <= b.start <= b.end <= len(program.order)
+                                 for b in program.buffers)
+    # Source lines come through the module's stack frame tables.
+    assert any(b.op_name.startswith("jit(") and b.stack and b.stack[0].startswith(__file__)
+               for b in program.buffers)
+    assert program.live_bytes().max() > 0

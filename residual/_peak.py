@@ -1,0 +1,481 @@
+"""`peak`: what is live at a compiled program's peak, where it came from, and over time."""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import itertools
+import os
+import re
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _buffers
+from . import _jax_private as jp
+from ._inspect import _bytes, _file_label, _is_library
+from ._memory import Memory
+
+# What each kind of row is, for the legends.
+KINDS = {
+    "argument": "an argument of the program: parameters, inputs, optimizer state",
+    "output": "an output already computed, such as a finished gradient",
+    "constant": "a constant the compiler keeps in memory",
+    "stored": "made in the forward and kept for the backward: a residual, or its packed form",
+    "forward": "a working value of the forward pass, not kept for the backward",
+    "backward": "a working value of the backward pass: cotangents, unpacked residuals",
+    "unplaced": "counted in the compiler's peak but not live at this moment: the "
+                "allocator's slack, and outputs written later",
+}
+
+# The memory spaces each platform's compiler counts in its peak: device memory, and on
+# TPU the on-chip memory it moves values into (listed as a space of its own).
+_COUNTED = {"tpu": (_buffers.DEVICE, 1)}
+_SPARK = " ▁▂▃▄▅▆▇█"
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakRow:
+    """Buffers live at the peak that share a kind, an array type, an operation and a source.
+
+    Attributes:
+        kind: what they are (`KINDS`' keys: `"stored"`, `"backward"`, `"argument"`, ...).
+        array: their HLO type, `"f32[4096,1024]"`.
+        count: how many buffers the row groups.
+        bytes: their bytes as the target lays them out, padding included.
+        unpadded: their elements' bytes alone.
+        op: the JAX operation that made them (`"tanh"`, `"transpose(jvp())/dot_general"`).
+        source: the user's `file:line` that made them, else the innermost one known.
+        space: the memory space (0: device memory; on TPU 1: on-chip memory).
+    """
+
+    kind: str
+    array: str
+    count: int
+    bytes: int
+    unpadded: int
+    op: str
+    source: str | None
+    space: int = _buffers.DEVICE
+
+    @property
+    def padding(self) -> float:
+        """Bytes as laid out per byte of elements (1.0: no padding)."""
+        return self.bytes / self.unpadded if self.unpadded else 1.0
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Peak:
+    """The compiled program's peak: every buffer live at it, and live bytes over time.
+
+    `print(peak)` gives the timeline as a bar and a table of what is live at the peak,
+    grouped by kind, array, operation and source line; `peak` in Jupyter the same in
+    HTML; `peak.plot()` the timeline as a figure. The rows, with an `unplaced` row for
+    what the compiler counts but is not live at that moment, add up to the compiler's
+    peak figure (`memory.peak`): the summary line says by how much they differ.
+
+    Attributes:
+        memory: the compiler's figures (`residual.Memory`).
+        rows: the groups of buffers live at the peak, largest first.
+        timeline: live bytes at each position of the program's order (counted spaces).
+        position: the position of the peak in the program's order.
+        backward: the position where the backward pass starts (`None`: no backward).
+        target: where it was compiled (`"cpu"`, `"v5e"`, ...).
+        host_bytes: bytes in host memory (offloaded) at the peak.
+        notes: findings: decisions that took no effect, padding, what the rows leave out.
+    """
+
+    memory: Memory
+    rows: tuple[PeakRow, ...]
+    timeline: np.ndarray
+    position: int
+    backward: int | None
+    target: str
+    host_bytes: int = 0
+    notes: tuple[str, ...] = ()
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes live at the peak: the rows without `unplaced`."""
+        return sum(r.bytes for r in self.rows if r.kind != "unplaced")
+
+    def by_kind(self) -> dict[str, int]:
+        """Bytes at the peak per kind of row."""
+        totals: dict[str, int] = {}
+        for r in self.rows:
+            totals[r.kind] = totals.get(r.kind, 0) + r.bytes
+        return totals
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def text(self, width: int | None = 100, rows: int = 20) -> str:
+        """The peak as text: a timeline bar, the `rows` largest rows, the summary."""
+        width_ = width or 100
+        title = textwrap.wrap(self._title(), width) if width is not None else [self._title()]
+        lines = [*title, "", *self._bar(min(width_ - 12, 80)), ""]
+        header = ("kind", "array", "n", "bytes", "op", "source")
+        cells = [header] + [(r.kind, r.array + (f" S({r.space})" if r.space else ""),
+                             str(r.count), _bytes(r.bytes) + _padded(r), _short_op(r.op),
+                             r.source or "") for r in self.rows[:rows]]
+        widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+        if width is not None:
+            excess = sum(widths) + 2 * (len(widths) - 1) - width
+            for i in (4, 5):
+                cut = min(max(excess, 0), widths[i] - 12)
+                widths[i] -= max(cut, 0)
+                excess -= max(cut, 0)
+        for n, c in enumerate(cells):
+            parts = [_cut(v, w).rjust(w) if i in (2, 3) else _cut(v, w).ljust(w)
+                     for i, (v, w) in enumerate(zip(c, widths))]
+            lines.append("  ".join(parts).rstrip())
+            if n == 0:
+                lines.append("-" * len(lines[-1]))
+        if len(self.rows) > rows:
+            rest = self.rows[rows:]
+            lines.append(f"... {len(rest)} more rows, {_bytes(sum(r.bytes for r in rest))}")
+        legend = self._legend()
+        if width is not None:
+            legend = [piece for line in legend for piece in textwrap.wrap(line, width)]
+        lines += ["", *legend, "", *self._summary()]
+        for note in self.notes:
+            lines += [""] + (textwrap.wrap(note, width) if width is not None else [note])
+        return "\n".join(lines)
+
+    def _title(self) -> str:
+        m = self.memory
+        return (f"Peak of the compiled program on {self.target}: {_bytes(m.peak)} "
+                f"({_bytes(m.arguments)} arguments, {_bytes(m.outputs)} outputs, "
+                f"{_bytes(m.beyond)} beyond them)")
+
+    def _bar(self, width: int) -> list[str]:
+        """The timeline in `width` characters, the peak and the backward's start marked."""
+        live = self.timeline
+        if len(live) == 0:
+            return []
+        edges = np.linspace(0, len(live), min(width, len(live)) + 1).astype(int)
+        columns = np.array([live[a:b].max() for a, b in itertools.pairwise(edges)])
+        top = max(int(columns.max()), 1)
+        bar = "".join(_SPARK[round(c / top * (len(_SPARK) - 1))] for c in columns)
+        marks = [" "] * len(columns)
+        column = int(np.searchsorted(edges, self.position, side="right") - 1)
+        if self.backward is not None:
+            marks[int(np.searchsorted(edges, self.backward, side="right") - 1)] = "|"
+        marks[min(column, len(marks) - 1)] = "^"
+        lines = [f"live   {bar}  {_bytes(top)}", f"       {''.join(marks).rstrip()}"]
+        key = "^ the peak"
+        if self.backward is not None:
+            key += ", | the backward's start (forward before it)"
+        return [*lines, f"       {key}; {len(live)} steps of the program's order"]
+
+    def _legend(self) -> list[str]:
+        kinds = [k for k in KINDS if any(r.kind == k for r in self.rows)]
+        lines = [f"{k}: {KINDS[k]}" for k in kinds]
+        if any(r.padding > 1.05 for r in self.rows):
+            lines.append("(padded Nx): the target lays the arrays out in tiles, N times the "
+                         "bytes of their elements")
+        if any(r.space for r in self.rows):
+            lines.append("S(1): in the chip's on-chip memory, which the TPU compiler's peak "
+                         "counts with device memory")
+        return lines
+
+    def _summary(self) -> list[str]:
+        by_kind = self.by_kind()
+        total = sum(by_kind.values())
+        parts = ", ".join(f"{k} {_bytes(v)}" for k, v in
+                          sorted(by_kind.items(), key=lambda kv: -kv[1]))
+        lines = [f"at the peak: {parts}"]
+        differs = total / self.memory.peak - 1 if self.memory.peak else 0.0
+        agreement = ("as the compiler's peak" if abs(differs) < 0.01 else
+                     f"{abs(differs):.0%} {'more' if differs > 0 else 'less'} than the "
+                     "compiler's peak")
+        lines.append(f"rows add up to {_bytes(total)}, {agreement} ({_bytes(self.memory.peak)})")
+        if self.host_bytes:
+            lines.append(f"in host memory at the peak (not counted): {_bytes(self.host_bytes)}")
+        return lines
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{h}</th>" for h in ("kind", "array", "n", "bytes", "op", "source"))
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in (
+                r.kind, r.array, str(r.count), _bytes(r.bytes) + _padded(r), _short_op(r.op),
+                r.source or "")) + "</tr>" for r in self.rows)
+        bar = html.escape("\n".join(self._bar(80)))
+        foot = "<br>".join(html.escape(s) for s in
+                           [*self._legend(), *self._summary(), *self.notes])
+        return (f"<div><b>{html.escape(self._title())}</b><pre>{bar}</pre>"
+                f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+                f"<p><small>{foot}</small></p></div>")
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        """The rows as plain data, one dictionary per row (`PeakRow`'s fields)."""
+        return [{**dataclasses.asdict(r), "padding": r.padding} for r in self.rows]
+
+    def plot(self, ax=None):
+        """Live bytes over the program's order, as a matplotlib figure.
+
+        Raises:
+            ImportError: matplotlib is not installed (`pip install residual[plot]`).
+        """
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "`Peak.plot` needs matplotlib: `pip install 'residual[plot]'`.") from e
+        if ax is None:
+            _, ax = plt.subplots(figsize=(7, 3))
+        steps = np.arange(len(self.timeline))
+        ax.fill_between(steps, self.timeline / 2**20, step="post", alpha=0.6, label="live")
+        ax.axhline(self.memory.peak / 2**20, color="k", lw=0.8, ls="--",
+                   label="compiler's peak")
+        ax.axvline(self.position, color="C3", lw=1, label="peak")
+        if self.backward is not None:
+            ax.axvline(self.backward, color="C2", lw=1, ls=":", label="backward starts")
+        ax.set_xlabel("program order")
+        ax.set_ylabel("MiB")
+        ax.set_title(f"Live memory on {self.target}")
+        ax.legend(fontsize="small")
+        ax.figure.tight_layout()
+        return ax.figure
+
+
+def peak(fn: Callable | jax.stages.Lowered, *args: Any, target: Any = None,
+         **kwargs: Any) -> Peak:
+    """What is live at the peak of `jax.jit(fn)` compiled at `args` (nothing runs).
+
+    Compiles the program with XLA's buffer assignment and live ranges written out, and
+    reads them: every buffer live at the moment of the peak, with its bytes as the
+    target lays it out, what it is (an argument, a value stored for the backward, a
+    working value of the forward or of the backward, an output), the JAX operation and
+    the user's source line that made it; and live bytes at every step of the program.
+
+    Args:
+        fn: the function to compile, such as `jax.grad(loss)` or
+            `jax.grad(residual.with_hooks(loss, policy=...))`; or a lowered program,
+            `jax.jit(f).lower(*args)` (then give no `args`), compiled as it is.
+        *args: the arguments: arrays or `jax.ShapeDtypeStruct`s.
+        target: where to compile: `None` for the running backend, or a name such as
+            `"v5e"` or `"h100"` (see the Targets page of the docs).
+        **kwargs: keyword arguments of `fn`.
+
+    Returns:
+        A `Peak`: `print(peak)` for the timeline and the table, `peak.rows`,
+        `peak.timeline` and `peak.memory` for data, `peak.plot()` for a figure.
+
+    Raises:
+        TypeError: `fn` is a compiled program (its buffer assignment is gone: pass
+            `jax.jit(f).lower(*args)` instead), or a lowered program with `args`.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, residual
+        >>> p = residual.peak(jax.grad(lambda x: jnp.sum(jnp.tanh(x) ** 2)),
+        ...                   jnp.ones((256, 256)))
+        >>> sum(r.bytes for r in p.rows) == p.memory.peak
+        True
+    """
+    from ._target import resolve
+
+    if isinstance(fn, jax.stages.Compiled):
+        raise TypeError(
+            "`residual.peak` needs the program before compilation, to compile it with "
+            "XLA's buffer assignment written out: pass `jax.jit(f).lower(*args)` (or `f` "
+            "and its arguments) instead of `jax.jit(f).lower(*args).compile()`."
+        )
+    if isinstance(fn, jax.stages.Lowered):
+        if args or kwargs or target is not None:
+            raise TypeError(
+                "`residual.peak` got a lowered program and arguments too: a lowered "
+                "program has its arguments and target already. Pass `jax.jit(f).lower(x)` "
+                "alone, or `f` with its arguments and `target=`."
+            )
+        compiled, texts = jp.compile_with_dumps(fn)
+        label = None
+    elif callable(fn):
+        where = resolve(target)
+        body = (lambda *a: fn(*a, **kwargs)) if kwargs else fn
+        compiled, texts = where.compile_with_dumps(body, args)
+        label = where.label
+    else:
+        raise TypeError(
+            f"`residual.peak` expects a function or `jax.jit(f).lower(*args)`, but got "
+            f"{type(fn).__name__}."
+        )
+    memory = Memory.of(compiled)
+    program = _buffers.parse(texts["module"], texts["assignment"], texts["live_ranges"])
+    return from_program(program, memory, label or memory.platform)
+
+
+def from_program(program: _buffers.Program, memory: Memory, target: str) -> Peak:
+    """The `Peak` of a parsed program whose compiler's figures are `memory`."""
+    spaces = _COUNTED.get(memory.platform, (_buffers.DEVICE,))
+    timeline = sum(program.live_bytes(s) for s in spaces)
+    position = int(np.argmax(timeline))
+    backward = _backward_start(program)
+    live = [b for s in spaces for b in program.live_at(position, s)]
+    groups: dict[tuple, list[_buffers.Buffer]] = {}
+    for b in live:
+        kind = _kind(b, backward)
+        # Arguments and outputs are named, not made: one row per array type.
+        op = _op(b.op_name) if kind not in ("argument", "output") else ""
+        if not op and kind not in ("argument", "output"):
+            op = f"({_opcode(b.name)})"  # made by the compiler: an async copy, a constant
+        array = "tuple" if b.shape.startswith("(") else b.shape.split("{")[0]
+        key = (kind, array, op, _source(b.stack), b.space)
+        groups.setdefault(key, []).append(b)
+    rows = [PeakRow(kind, array, len(bs), sum(b.bytes for b in bs),
+                    sum(b.unpadded for b in bs), op or _names(bs), source, space)
+            for (kind, array, op, source, space), bs in groups.items()]
+    rows.sort(key=lambda r: -r.bytes)
+    notes = []
+    rest = memory.peak - sum(r.bytes for r in rows)
+    if rest > 0:
+        rows.append(PeakRow("unplaced", "", 0, rest, rest, "", None))
+    elif rest < -0.01 * memory.peak:
+        notes.append(
+            f"The buffers live at this moment come to {_bytes(-rest)} more than the "
+            "compiler's peak figure: on TPU a value copied into on-chip memory is listed "
+            "in both spaces while the compiler counts it once."
+        )
+    padded = [r for r in rows if r.padding >= 2 and r.bytes >= 0.01 * memory.peak]
+    if padded:
+        waste = sum(r.bytes - r.unpadded for r in padded)
+        notes.append(
+            f"{len(padded)} rows are padded 2x or more by the target's tiling "
+            f"({_bytes(waste)} of padding at the peak): arrays whose last two dimensions "
+            "are small (per-group statistics, narrow heads) occupy whole tiles there."
+        )
+    host = sum(b.bytes for b in program.live_at(position, _buffers.HOST))
+    return Peak(memory, tuple(rows), timeline, position, backward, target, host, tuple(notes))
+
+
+def _backward_start(program: _buffers.Program) -> int | None:
+    """Where the backward pass starts: after the last operation of the forward (JAX names
+    them `jvp(...)`), when there are operations of the backward (`transpose(...)`).
+
+    Not the first backward operation: the scheduler hoists some (zeros for cotangents)
+    to the program's start.
+    """
+    first_backward = last_forward = None
+    for i, name in enumerate(program.order):
+        op = program.op_names.get(name, "")
+        if "transpose(" in op:
+            first_backward = i if first_backward is None else first_backward
+        elif "jvp(" in op:
+            last_forward = i
+    if first_backward is None:
+        return None
+    return first_backward if last_forward is None else last_forward + 1
+
+
+def _kind(b: _buffers.Buffer, backward: int | None) -> str:
+    if b.role != "temporary":
+        return b.role
+    # A backward value the scheduler made early (zeros for a cotangent) is no residual.
+    if backward is None or b.start >= backward or "transpose(" in b.op_name:
+        return "backward" if backward is not None else "forward"
+    return "stored" if b.end >= backward else "forward"
+
+
+def _op(op_name: str) -> str:
+    """`jit(f)/transpose(jvp())/dot_general` -> `transpose(jvp())/dot_general`, a
+    forward op as its primitive alone."""
+    parts = op_name.split("/")
+    if len(parts) <= 1:
+        return op_name
+    inner = parts[1:]
+    if inner and inner[0].startswith("jvp(") and len(inner) > 1:
+        inner = inner[1:]
+    return "/".join(inner)
+
+
+def _source(stack: tuple[str, ...]) -> str | None:
+    """The innermost frame of the user's own code, as `file.py:12`; else the innermost."""
+    for frame in stack:
+        file_name, _, line = frame.rpartition(":")
+        if not _is_library(file_name):
+            return f"{_file_label(file_name)}:{line}"
+    if stack:
+        file_name, _, line = stack[0].rpartition(":")
+        return f"{os.path.basename(file_name)}:{line}"
+    return None
+
+
+def _opcode(name: str) -> str:
+    """`copy-start.12{0}` -> `copy-start`: the HLO opcode an instruction's name starts with."""
+    return re.sub(r"(\.\d+)?(\{[\d,]*\})?$", "", name)
+
+
+def _names(buffers: list[_buffers.Buffer]) -> str:
+    """`ws[0]`, or `ws[0] and 5 more`: the names of arguments or outputs."""
+    names = sorted(b.op_name or b.name for b in buffers)
+    return names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
+
+
+def _short_op(op: str) -> str:
+    return op if len(op) <= 40 else "..." + op[-37:]
+
+
+def _padded(r: PeakRow) -> str:
+    return f" (padded {r.padding:.0f}x)" if r.padding >= 1.5 else ""
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(width - 3, 0)] + "..."
+
+
+
+
+def unkept_decisions(peak: Peak, program: _buffers.Program, rows) -> list[str]:
+    """Residuals a policy packed or offloaded whose float the compiled program still keeps
+    for the backward: a decision without effect, one sentence each.
+
+    Floats kept across the backward's start are counted per array type; those beyond
+    the residuals of that type stored as they are belong to residuals the policy acted
+    on. (Source lines do not tell them apart: a scan's stacked residuals carry the
+    scan's line, a residual the line of its body.) Recomputed residuals are not
+    checked: the values their recomputation starts from are stored, and may be of
+    the same type.
+    """
+    if peak.backward is None:
+        return []
+    spaces = _COUNTED.get(peak.memory.platform, (_buffers.DEVICE,))
+    kept_floats: dict[str, int] = {}
+    slots = set()
+    for b in program.buffers:
+        if (b.space in spaces and b.role == "temporary" and "transpose(" not in b.op_name
+                and b.start < peak.backward <= b.end and (b.allocation, b.offset) not in slots):
+            slots.add((b.allocation, b.offset))
+            array = b.shape.split("{")[0]
+            kept_floats[array] = kept_floats.get(array, 0) + 1
+    by_array: dict[str, list] = {}
+    for r in rows:
+        shape = (r.iterations, *r.shape) if r.iterations > 1 else tuple(r.shape)
+        by_array.setdefault(_hlo_array(r.dtype, shape), []).append(r)
+    flagged = [f"residual {r.label} ({_hlo_array(r.dtype, tuple(r.shape))}, an input): packed, "
+               "but the program's argument stays alive anyway" for r in rows
+               if r.how == "packed" and r.is_input and not r.section]
+    for array, group in by_array.items():
+        acted = [r for r in group if r.how == "packed" and (r.section or not r.is_input)]
+        # A scan body's inputs are stored stacked; the function's own are arguments.
+        kept = sum(r.how == "kept" and (r.section or not r.is_input) for r in group)
+        for r in acted[:max(kept_floats.get(array, 0) - kept, 0)]:
+            what = ("offloaded, but a device copy is kept for the backward"
+                    if r.policy.startswith("Offload") else
+                    "packed, but the float is still kept for the backward")
+            flagged.append(f"residual {r.label} ({array}, {r.source or r.primitive}): {what}")
+    return flagged
+
+
+_HLO_TYPES = {"bool": "pred", "bfloat16": "bf16"}
+
+
+def _hlo_array(dtype: str, shape: tuple[int, ...]) -> str:
+    """`float32`, `(4, 8)` -> `f32[4,8]`, as HLO writes an array type."""
+    name = _HLO_TYPES.get(dtype) or re.sub(
+        r"^(float|int|uint|complex)(\d+)",
+        lambda m: {"float": "f", "int": "s", "uint": "u", "complex": "c"}[m.group(1)]
+        + m.group(2), dtype)
+    return f"{name}[{','.join(map(str, shape))}]"

@@ -1,0 +1,173 @@
+"""`residual.peak` and `inspect(..., peak=True)`: what is live at the compiled program's peak,
+on programs whose peak is known by construction, on CPU and on a TPU compiled for without one.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import residual
+from residual import policies as rp
+from residual._policy import Policy
+from tests.test_target import needs_tpu
+
+
+def _mlp(ws, x):
+    for w in ws:
+        x = jnp.tanh(x @ w)  # the stored activations' line
+    return jnp.sum(x**2)
+
+
+_LINE = _mlp.__code__.co_firstlineno + 2
+
+
+def _scan_mlp(ws, x):
+    def body(x, w):
+        return jnp.tanh(x @ w), None
+
+    return jnp.sum(jax.lax.scan(body, x, ws)[0] ** 2)
+
+
+def _adds_up(p: residual.Peak, within: float = 0.01) -> bool:
+    total = sum(r.bytes for r in p.rows)
+    return abs(total - p.memory.peak) <= within * p.memory.peak
+
+
+@pytest.mark.parametrize("program", ["mlp", "mlp int8", "scan", "scan int8"])
+def test_rows_add_up_to_the_compilers_peak(program):
+    fn = _scan_mlp if program.startswith("scan") else _mlp
+    ws = jnp.ones((4, 256, 256)) if program.startswith("scan") else [jnp.ones((256, 256))] * 4
+    if program.endswith("int8"):
+        fn = residual.with_hooks(fn, policy=rp.Quantize(bits=8))
+    x = jnp.ones((1024, 256))
+    p = residual.peak(jax.grad(fn), ws, x)
+    assert p.memory == residual.compiled_memory(jax.grad(fn), ws, x)
+    assert _adds_up(p), (sum(r.bytes for r in p.rows), p.memory.peak)
+    assert p.timeline.max() == p.live_bytes <= p.memory.peak
+    assert p.position == int(np.argmax(p.timeline))
+    assert "as the compiler's peak" in p.text()
+
+
+def test_one_big_temporary_is_the_largest_row():
+    x = jnp.ones((1024, 64))
+    p = residual.peak(lambda x: jnp.sort(x @ x.T, axis=1)[:, :4], x)
+    largest = p.rows[0]
+    assert (largest.kind, largest.array, largest.bytes) == ("forward", "f32[1024,1024]", 4 * 2**20)
+    assert p.backward is None and _adds_up(p)
+
+
+def test_stored_activations_are_one_row_with_their_source_line():
+    layers, ws, x = 6, [jnp.ones((256, 256))] * 6, jnp.ones((2048, 256))
+    p = residual.peak(jax.grad(_mlp), ws, x)
+    stored = [r for r in p.rows if r.kind == "stored"]
+    assert stored, p.text()
+    row = max(stored, key=lambda r: r.bytes)
+    # Each layer's tanh output but the last is stored (the last is squared at once).
+    assert (row.array, row.count, row.op) == ("f32[2048,256]", layers - 1, "tanh"), p.text()
+    assert row.source == f"test_peak.py:{_LINE}"
+    assert row.bytes == (layers - 1) * x.nbytes
+    arguments = [r for r in p.rows if r.kind == "argument"]
+    assert sum(r.bytes for r in arguments) == p.memory.arguments
+    assert p.backward is not None and p.backward > 0
+
+
+def test_quantize_shrinks_what_is_stored_at_the_peak():
+    ws, x = jnp.ones((6, 256, 256)), jnp.ones((2048, 256))
+    plain = residual.peak(jax.grad(_scan_mlp), ws, x)
+    int8 = residual.peak(jax.grad(residual.with_hooks(_scan_mlp, policy=rp.Quantize(bits=8))),
+                         ws, x)
+    stored = {name: sum(b for k, b in p.by_kind().items() if k == "stored")
+              for name, p in (("plain", plain), ("int8", int8))}
+    assert stored["plain"] >= 12 * 2**20  # six f32[2048,256] carries and six tanh outputs
+    assert stored["int8"] < 0.5 * stored["plain"], stored
+
+
+def test_a_lowered_program_is_read_as_it_is():
+    ws, x = [jnp.ones((128, 128))] * 2, jnp.ones((256, 128))
+    lowered = jax.jit(jax.grad(_mlp)).lower(ws, x)
+    p = residual.peak(lowered)
+    assert p.memory == residual.Memory.of(lowered.compile()) and _adds_up(p)
+    with pytest.raises(TypeError, match=r"jax.jit\(f\).lower\(\*args\)"):
+        residual.peak(lowered.compile())
+    with pytest.raises(TypeError, match="a lowered program and arguments too"):
+        residual.peak(lowered, ws, x)
+    with pytest.raises(TypeError, match="expects a function"):
+        residual.peak(3)
+
+
+def test_text_html_dicts_and_plot():
+    p = residual.peak(jax.grad(_mlp), [jnp.ones((128, 128))] * 3, jnp.ones((512, 128)))
+    text = p.text(width=100)
+    assert all(len(line) <= 100 for line in text.splitlines()), text
+    assert "^ the peak" in text and "| the backward's start" in text
+    assert "<table>" in p._repr_html_()
+    rows = p.to_dicts()
+    assert sum(r["bytes"] for r in rows) == sum(r.bytes for r in p.rows)
+    fields = {"kind", "array", "count", "bytes", "unpadded", "op", "source", "padding"}
+    assert fields <= set(rows[0])
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    assert p.plot().axes
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeepsTheFloat(Policy):
+    """Packs to bfloat16 but keeps the float beside it: a decision without effect."""
+
+    def pack(self, x, info):
+        return x.astype(jnp.bfloat16), x
+
+    def unpack(self, packed, info):
+        return packed[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bfloat16(Policy):
+    def pack(self, x, info):
+        return x.astype(jnp.bfloat16)
+
+    def unpack(self, packed, info):
+        return packed.astype(info.dtype)
+
+
+def test_a_packed_residual_whose_float_is_kept_is_flagged():
+    ws, x = [jnp.ones((256, 256))] * 4, jnp.ones((1024, 256))
+    kept = residual.inspect(_mlp, ws, x, policy=_KeepsTheFloat(), peak=True)
+    packed = [r for r in kept.rows if r.how == "packed"]
+    inputs = [r for r in packed if r.is_input]
+    activations = [r for r in packed if not r.is_input and r.primitive == "tanh"]
+    notes = kept.peak.notes
+    assert len([n for n in notes if "argument stays alive" in n]) == len(inputs) == 5, notes
+    # XLA recomputes the last layer's cheap residuals from its output itself; the stored
+    # tanh outputs are the floats kept next to their packed copies.
+    flagged = [n for n in notes if "packed, but the float is still kept" in n]
+    assert len(flagged) >= len(activations) >= 3, notes
+    count = len(inputs) + len(flagged)
+    assert any(f"{count} of {len(packed)} decisions took no effect" in n for n in kept.notes)
+    cast = residual.inspect(_mlp, ws, x, policy=_Bfloat16(), peak=True)
+    assert not [n for n in cast.peak.notes if "still kept" in n], cast.peak.notes
+    assert "at the peak:" in cast.text()
+
+
+def test_inspect_peak_needs_the_compiled_program():
+    with pytest.raises(ValueError, match="drop `compiled=False`"):
+        residual.inspect(_mlp, [jnp.ones((8, 8))], jnp.ones((4, 8)), compiled=False, peak=True)
+
+
+@needs_tpu
+def test_tpu_rows_and_padded_statistics():
+    """On TPU the rows are the compiler's device and on-chip buffers at the peak; Quantize's
+    per-group statistics, `f32[rows, groups]` with few groups, occupy whole 8x128 tiles."""
+    ws = [jax.ShapeDtypeStruct((512, 512), jnp.float32)] * 2
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.float32)
+    plain = residual.peak(jax.grad(_mlp), ws, x, target="v5e")
+    assert plain.target == "v5e" and plain.memory.platform == "tpu"
+    assert _adds_up(plain, within=0.1), plain.text()
+    int4 = residual.peak(jax.grad(residual.with_hooks(_mlp, policy=rp.Quantize(bits=4))),
+                         ws, x, target="v5e")
+    assert _adds_up(int4, within=0.1), int4.text()
+    padded = [r for r in int4.rows if r.padding >= 2]
+    assert padded and any("padded 2x or more" in n for n in int4.notes), int4.text()
