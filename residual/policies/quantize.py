@@ -228,7 +228,7 @@ class Quantize(Policy):
         # replicate a residual sharded along its last axis (tensor parallelism).
         codes = packed.pop("codes").reshape(layout.padded)
         if self.format == "int":
-            codes = _pack_codes(codes, self.bits)
+            codes = _pack_codes(codes, self.bits, layout.block)
         return {"codes": codes, **{k: v.squeeze(layout.reduced) for k, v in packed.items()}}
 
     # XLA allocates the buffers of both branches for the conditional as a whole: a
@@ -308,7 +308,7 @@ class Quantize(Policy):
             values = layout.split(packed["codes"].astype(jnp.float32)) * scale
             return layout.merge(values).astype(info.dtype)
         size = math.prod(layout.padded)
-        codes = layout.split(_unpack_codes(packed["codes"], self.bits, size))
+        codes = layout.split(_unpack_codes(packed["codes"], self.bits, size, layout.block))
         zero = jnp.expand_dims(packed["zero"], layout.reduced)
         # NaN marks compare the integer codes: comparing their float copy instead
         # changes the TPU compiler's fusions (v5e, scan MLP int8: 0.79x plain's peak
@@ -399,6 +399,13 @@ class _Layout:
         """The codes' shape: the residual's, with the padding (a scalar as `(1,)`)."""
         shape = self.shape or (1,)
         return (*shape[:-1], shape[-1] + self.pad)
+
+    @property
+    def block(self) -> int:
+        """Codes packed into bytes together (`_pack_codes`): a group when the groups run
+        along the last axis, else the whole last axis."""
+        padded = self.padded
+        return self.size if self.axis == len(padded) - 1 else padded[-1]
 
     @property
     def reduced(self) -> int:
@@ -495,32 +502,51 @@ def _round_up(value: jnp.ndarray, dtype: np.dtype) -> jnp.ndarray:
                      jnp.nextafter(stored, jnp.asarray(jnp.inf, dtype)), stored)
 
 
-def _pack_codes(codes: jnp.ndarray, bits: int) -> jnp.ndarray:
-    """Packs `8 // bits` codes per byte, little end first, along the last axis.
+def _pack_codes(codes: jnp.ndarray, bits: int, block: int) -> jnp.ndarray:
+    """Packs `8 // bits` codes per byte along the last axis, in blocks of `block` codes:
+    byte `j` of a block holds code `j` of each of the block's `8 // bits` consecutive
+    parts, the first part in the low bits.
 
-    Along the last axis when its length is a multiple of `8 // bits` (no axis is
-    merged, so sharded codes stay sharded); flattened and padded otherwise.
+    Parts, not neighbours: neighbours need a `[..., last / 2, 2]` array, which a TPU
+    lays out in whole 128-lane tiles (64 times its bytes when unpacking). Blocks, not
+    the whole axis: a block is one quantization group, which lies on one device when
+    the last axis is sharded, so packing moves no data between devices. Along the last
+    axis when its length is a multiple of `8 // bits` (no axis is merged); flattened
+    and padded otherwise.
     """
     per_byte = 8 // bits
     if per_byte == 1:
         return codes
     if codes.ndim < 1 or codes.shape[-1] % per_byte:
         codes = jnp.pad(codes.ravel(), (0, -codes.size % per_byte))
-    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
-    shifts = jnp.arange(per_byte, dtype=jnp.uint8) * jnp.uint8(bits)
-    return jnp.bitwise_or.reduce(grouped << shifts, axis=-1).astype(jnp.uint8)
+    block = _block(codes.shape[-1], block, per_byte)
+    blocks = codes.reshape(*codes.shape[:-1], codes.shape[-1] // block, block)
+    part = block // per_byte
+    packed = blocks[..., :part]
+    for i in range(1, per_byte):
+        packed = packed | (blocks[..., i * part:(i + 1) * part] << jnp.uint8(i * bits))
+    return packed.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte).astype(jnp.uint8)
 
 
-def _unpack_codes(packed: jnp.ndarray, bits: int, size: int) -> jnp.ndarray:
+def _unpack_codes(packed: jnp.ndarray, bits: int, size: int, block: int) -> jnp.ndarray:
     """Codes from `_pack_codes`: `[..., last]` along the last axis, or flat."""
     per_byte = 8 // bits
     if per_byte == 1:
         return packed
-    shifts = jnp.arange(per_byte, dtype=jnp.uint8) * jnp.uint8(bits)
+    last = packed.shape[-1] * per_byte
+    if packed.size * per_byte != size:  # flattened and padded
+        block = last
+    part = _block(last, block, per_byte) // per_byte
+    blocks = packed.reshape(*packed.shape[:-1], packed.shape[-1] // part, part)
     mask = jnp.uint8(2**bits - 1)
-    codes = (packed[..., None] >> shifts) & mask
-    codes = codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
+    parts = [(blocks >> jnp.uint8(i * bits)) & mask for i in range(per_byte)]
+    codes = jnp.concatenate(parts, axis=-1).reshape(*packed.shape[:-1], last)
     return codes if codes.size == size else codes.reshape(-1)[:size]
+
+
+def _block(last: int, block: int, per_byte: int) -> int:
+    """`block` where it cuts `last` in whole blocks of whole parts, else `last`."""
+    return block if block % per_byte == 0 and last % block == 0 else last
 
 
 def _random_bytes(key: jax.Array, shape: tuple[int, ...]) -> jnp.ndarray:

@@ -17,6 +17,8 @@ from residual import policies as rp
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
 POLICIES = [rp.Quantize(bits=8), rp.Remat(), rp.Cast(jnp.bfloat16)]
+# Int4 packs two codes per byte: within a group, so on the device that holds it.
+PACKING = [rp.Quantize(bits=8), rp.Quantize(bits=4), rp.Cast(jnp.bfloat16)]
 
 
 def mlp(params, x):
@@ -88,7 +90,7 @@ def test_no_all_gather_of_activations_with_remat(layout, batch, policy):
 
 
 @pytest.mark.parametrize("layout_batch", LAYOUTS, ids=lambda lb: f"{lb[0]}-batch{lb[1]}")
-@pytest.mark.parametrize("policy", [rp.Quantize(bits=8), rp.Cast(jnp.bfloat16)], ids=repr)
+@pytest.mark.parametrize("policy", PACKING, ids=repr)
 def test_no_all_gather_of_activations(layout_batch, policy):
     _check_collectives(*layout_batch, policy)
 
@@ -123,7 +125,7 @@ def test_inside_shard_map():
         assert rel < 5e-2
 
 
-@pytest.mark.parametrize("policy", [rp.Quantize(bits=8), rp.Cast(jnp.bfloat16)], ids=repr)
+@pytest.mark.parametrize("policy", PACKING, ids=repr)
 def test_explicit_axes_pack_the_resharded_activation_without_new_gathers(policy):
     # With `Explicit` axes the model gathers the activation itself (`reshard`): that
     # value is the residual, packed gathered, and the backward needs no new gather.
