@@ -12,7 +12,7 @@ import pytest
 import residual
 from residual import policies as rp
 from residual._policy import Policy
-from tests.test_target import needs_tpu
+from tests.test_target import needs_gpu, needs_tpu
 
 
 def _mlp(ws, x):
@@ -171,3 +171,13 @@ def test_tpu_rows_and_padded_statistics():
     assert _adds_up(int4, within=0.1), int4.text()
     padded = [r for r in int4.rows if r.padding >= 2]
     assert padded and any("padded 2x or more" in n for n in int4.notes), int4.text()
+
+
+@needs_gpu
+def test_h100_rows_add_up_to_the_compilers_peak():
+    ws = [jax.ShapeDtypeStruct((512, 512), jnp.float32)] * 3
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.float32)
+    p = residual.peak(jax.grad(_mlp), ws, x, target="h100")
+    assert p.memory.platform == "gpu" and _adds_up(p), p.text()
+    stored = [r for r in p.rows if r.kind == "stored"]
+    assert stored and stored[0].source == f"test_peak.py:{_LINE}", p.text()
