@@ -136,12 +136,7 @@ class Report:
         lines = [f"Residuals stored for the backward, under {self.policy}:", render(header)]
         lines.append("-" * len(lines[-1]))
         lines += [render(line) if isinstance(line, tuple) else line for line in body]
-        legend = _legend(self.rows)
-        if width is not None:
-            legend = [piece for line in legend for piece in textwrap.wrap(line, width)]
-        lines += ["", *legend, "", *self._summary()]
-        for note in self.notes:
-            lines += [""] + (textwrap.wrap(note, width) if width is not None else [note])
+        lines += footer(_legend(self.rows), self._summary(), self.notes, width)
         return "\n".join(lines)
 
     def _columns(self, wide: bool):
@@ -559,6 +554,15 @@ def _file_label(file_name: str) -> str:
     named = getattr(getattr(shell, "compile", None), "format_code_name", lambda _: None)
     cell = named(file_name)
     return cell[1] if cell else os.path.basename(file_name)
+
+
+def footer(legend: list[str], summary: list[str], notes, width: int | None) -> list[str]:
+    """A report's legend, summary and notes below its table, wrapped to `width`."""
+    wrap = (lambda line: textwrap.wrap(line, width)) if width is not None else (lambda line: [line])
+    lines = ["", *(piece for line in legend for piece in wrap(line)), "", *summary]
+    for note in notes:
+        lines += ["", *wrap(note)]
+    return lines
 
 
 def _legend(rows: tuple[Row, ...]) -> list[str]:

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _buffers
 from . import _jax_private as jp
-from ._inspect import _bytes, _file_label, _is_library
+from ._inspect import _bytes, _file_label, _is_library, footer
 from ._memory import Memory
 
 # What each kind of row is, for the legends.
@@ -137,12 +137,7 @@ class Peak:
         if len(self.rows) > rows:
             rest = self.rows[rows:]
             lines.append(f"... {len(rest)} more rows, {_bytes(sum(r.bytes for r in rest))}")
-        legend = self._legend()
-        if width is not None:
-            legend = [piece for line in legend for piece in textwrap.wrap(line, width)]
-        lines += ["", *legend, "", *self._summary()]
-        for note in self.notes:
-            lines += [""] + (textwrap.wrap(note, width) if width is not None else [note])
+        lines += footer(self._legend(), self._summary(), self.notes, width)
         return "\n".join(lines)
 
     def _title(self) -> str:
