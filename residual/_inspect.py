@@ -18,7 +18,6 @@ import numpy as np
 
 from . import _jax_private as jp
 from ._info import dtype_name
-from ._memory import Memory
 from ._policy import Policy
 from ._record import Record, recording
 from ._residuals import _OWN_FILES, _producers, _Provenance, _trace_origin, is_own_file
@@ -352,12 +351,11 @@ def inspect(
         plain = where.memory(_backward(fn), args)
         hooked_fn = _backward(with_hooks(fn, policy=probe))
         if peak:
-            from . import _buffers, _peak
+            from . import _peak
 
-            program_, texts = where.compile_with_dumps(hooked_fn, args)
-            hooked = Memory.of(program_)
-            program = _buffers.parse(texts["module"], texts["assignment"], texts["live_ranges"])
-            at_peak = _peak.from_program(program, hooked, where.label)
+            at_peak, program = _peak.read(*where.compile_with_dumps(hooked_fn, args),
+                                          where.label)
+            hooked = at_peak.memory
             flagged = _peak.unkept_decisions(at_peak, program, rows)
             at_peak = dataclasses.replace(at_peak, notes=(*flagged, *at_peak.notes))
         else:

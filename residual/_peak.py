@@ -298,9 +298,16 @@ def peak(fn: Callable | jax.stages.Lowered, *args: Any, target: Any = None,
             f"`residual.peak` expects a function or `jax.jit(f).lower(*args)`, but got "
             f"{type(fn).__name__}."
         )
+    return read(compiled, texts, label)[0]
+
+
+def read(compiled: jax.stages.Compiled, texts: dict[str, str],
+         target: str | None) -> tuple[Peak, _buffers.Program]:
+    """The `Peak` of a program compiled with XLA's texts (`compile_with_dumps`), and the
+    parsed program it was read from."""
     memory = Memory.of(compiled)
     program = _buffers.parse(texts["module"], texts["assignment"], texts["live_ranges"])
-    return from_program(program, memory, label or memory.platform)
+    return from_program(program, memory, target or memory.platform), program
 
 
 def from_program(program: _buffers.Program, memory: Memory, target: str) -> Peak:
