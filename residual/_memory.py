@@ -25,9 +25,11 @@ class Memory:
 
     - TPU: `peak_memory_in_bytes`, the buffer assignment's peak (its `temp_size_in_bytes`
       leaves out much of what is live at the peak, and is often 0);
-    - GPU: `peak_memory_in_bytes`, there equal to arguments + outputs + temporaries;
-    - CPU: arguments + outputs + `temp_size_in_bytes` (XLA:CPU's peak field holds the
-      arguments and outputs only), so that `beyond` is XLA:CPU's temp memory.
+    - GPU and CPU: arguments + outputs + `temp_size_in_bytes`, since both runtimes
+      allocate a program's temporaries as one block of that size next to its arguments
+      and outputs, so that `beyond` is the temp memory. (XLA:CPU's peak field holds the
+      arguments and outputs only; the GPU's also counts buffers placed in host memory,
+      such as offloaded residuals, which the device never holds.)
 
     Attributes:
         peak: bytes per device at the program's peak.
@@ -71,10 +73,10 @@ class Memory:
         arguments = int(stats.argument_size_in_bytes)
         outputs = int(stats.output_size_in_bytes)
         aliased = int(stats.alias_size_in_bytes)
-        if platform == "cpu":
-            peak = arguments + outputs - aliased + int(stats.temp_size_in_bytes)
-        else:
+        if platform == "tpu":
             peak = int(stats.peak_memory_in_bytes)
+        else:
+            peak = arguments + outputs - aliased + int(stats.temp_size_in_bytes)
         return cls(peak, arguments, outputs, aliased, platform)
 
 
