@@ -11,6 +11,7 @@ body for comparison. Compile-only: nothing is run, so any target compiles here.
     python benchmarks/memory.py --target h100   # an H100 (residual[cuda], JAX_PLATFORMS=cpu)
     python benchmarks/memory.py --small         # a quick run
     python benchmarks/memory.py --markdown      # also the docs' table, peak / beyond
+    python benchmarks/memory.py --policies "Quantize int4"   # only these rows
 
 The targets checked at the end (PASS/FAIL) are on the memory beyond arguments and
 outputs (XLA:CPU's temp memory), and on the peak for "no policy above plain".
@@ -51,6 +52,8 @@ POLICIES = {
 # and plain's figures {model: Memory}.
 TABLE: dict[str, dict[str, tuple[float, float]]] = {}
 PLAIN: dict[str, residual.Memory] = {}
+# `--policies`: measure only these rows (and check no target, as each needs its rows).
+ONLY: set[str] | None = None
 
 
 def grad_memory(fn, *args, target=None) -> residual.Memory:
@@ -68,6 +71,8 @@ def measure(name, model, args, targets, checkpoint_models=(), target=None, colum
     rows = [(label, residual.with_hooks(model, policy=policy), policy)
             for label, policy in POLICIES.items()]
     rows += [(label, checkpointed, None) for label, checkpointed in checkpoint_models]
+    if ONLY is not None:
+        rows, targets = [row for row in rows if row[0] in ONLY], []
     for label, fn, policy in rows:
         stored = "" if policy is None else "{:.2f}".format(residual.inspect(
             model, *args, policy=policy, compiled=False).totals["ratio"])
@@ -161,7 +166,8 @@ def main(small: bool, target: str | None = None, markdown: bool = False) -> int:
         ],
         target, "unrolled MLP f32",
     )
-    failed += measure_vmap(*models.mlp_params(6, 128, 256), target=target)
+    if ONLY is None:
+        failed += measure_vmap(*models.mlp_params(6, 128, 256), target=target)
     loss, params, tokens = models.transformer(blocks, t_width, 4, seq, t_batch)
     failed += measure(
         f"equinox transformer, {blocks} blocks (scan), width {t_width}, seq {seq}, "
@@ -207,5 +213,15 @@ if __name__ == "__main__":
                         "h200, a100, cpu (default: the running backend)")
     parser.add_argument("--markdown", action="store_true",
                         help="also print the docs' table (peak / beyond ratios)")
+    parser.add_argument("--policies", nargs="+", metavar="LABEL",
+                        help="measure only these rows, e.g. 'Quantize int4' (no target "
+                        "is checked then)")
     args = parser.parse_args()
+    if args.policies:
+        unknown = set(args.policies) - set(POLICIES) - {
+            "jax.checkpoint nothing", "jax.checkpoint dots"}
+        if unknown:
+            parser.error(f"unknown rows {sorted(unknown)}; the rows are {list(POLICIES)} "
+                         "and 'jax.checkpoint nothing', 'jax.checkpoint dots'")
+        ONLY = set(args.policies)
     raise SystemExit(main(args.small, args.target, args.markdown))
