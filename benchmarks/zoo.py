@@ -40,6 +40,9 @@ POLICIES = {
     # The square grid for mostly-small non-negative groups (softmax probabilities) is
     # int4's default; without it, for comparison.
     "int4 uniform grid": rp.Quantize(bits=4, grid="uniform"),
+    # Twice the groups, each scale half the bytes: about 3% more bytes than int4's
+    # default for its codes and statistics together.
+    "int4 g32 bf16": rp.Quantize(bits=4, group_size=32, scale_dtype=jnp.bfloat16),
 }
 # Recompute each layer from its input in the backward: only where the layers are one
 # `lax.scan` (the unrolled CNN has no per-layer boundary a policy can see).

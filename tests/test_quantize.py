@@ -103,6 +103,26 @@ def test_fp8_codes(fmt, dtype):
     assert float(jnp.linalg.norm(y - x) / jnp.linalg.norm(x)) < 0.1
 
 
+@pytest.mark.parametrize("bits", [4, 2])
+def test_groups_of_one_sign_away_from_zero_are_stored_over_their_own_range(bits):
+    # A GELU's gate and tanh outputs near 1 hold no zero: a grid from zero would spend
+    # most of its codes below them.
+    x = jnp.stack([jnp.tanh(jnp.linspace(1.0, 3.0, 64)), -jnp.linspace(0.5, 1.0, 64),
+                   jnp.linspace(-3.0, 2.0, 64), jnp.maximum(jnp.linspace(-1.0, 1.0, 64), 0)])
+    packed, y = _round_trip(rp.Quantize(bits=bits, grid="uniform"), x)
+    # In the byte per group that a zero point always took.
+    assert packed["zero"].shape == (4, 1) and packed["zero"].dtype == jnp.uint8
+    span = x.max(axis=1) - x.min(axis=1)
+    error = jnp.max(jnp.abs(y - x), axis=1)
+    assert bool(jnp.all(error <= span / (2 * (2**bits - 2)) * (1 + 1e-5)))
+    # Where a group holds zero, zero is a code: exact zeros stay exact.
+    assert bool(jnp.all(jnp.where(x == 0, y, 0) == 0)) and int(jnp.sum(x[3] == 0)) > 20
+    # The gain over a grid from zero, on the first two rows: a grid over [0, m] moves
+    # values by up to m / (2 (2^b - 1)).
+    m = jnp.abs(x[:2]).max(axis=1)
+    assert bool(jnp.all(error[:2] < 0.6 * m / (2 * (2**bits - 1))))
+
+
 def test_bfloat16_scales_cover_their_group():
     x = jax.random.normal(jax.random.key(2), (5, 64)) * 3
     packed, y = _round_trip(rp.Quantize(bits=8, scale_dtype=jnp.bfloat16), x)

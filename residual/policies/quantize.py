@@ -21,8 +21,8 @@ _FP8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 _FORMATS = ("int", *_FP8)
 _BITS = (8, 4, 2)
 _GRIDS = ("auto", "uniform")
-# The zero-point byte of a group on the square grid: never a zero point below 8 bits,
-# whose zero points run from 0 to 2^b - 1 <= 15.
+# The zero-point byte of a group on the square grid: never a zero point (see
+# `_encode_zero`).
 _SQUARE = 255
 
 
@@ -36,12 +36,17 @@ class Quantize(Policy):
     longer one is cut into near-equal groups, padded with a few zeros. No scale ever
     spans the whole tensor, and codes keep the residual's layout (sharded
     activations stay sharded). With `format="int"`, a group spanning $[lo, hi]$ is
-    stored as codes of the nearest of $2^b$ evenly spaced values over
-    $[\\min(lo, 0), \\max(hi, 0)]$ with zero among them (affine quantization: a
-    scale and an integer zero point per group), packed into `uint8`: one code per
-    byte for `bits=8`, two for 4, four for 2. Zeros (a causal mask, ReLU) stay
-    exactly zero, a group of one sign uses every code, and no value moves by more
-    than $m / (2^b - 2)$, $m$ its group's largest magnitude. With an fp8 `format`,
+    stored as codes of the nearest of $2^b$ evenly spaced values $(c - z) s$ (affine
+    quantization: a scale $s$ and a zero point $z$ per group), packed into
+    `uint8`: one code per byte for `bits=8`, two for 4, four for 2. With 8-bit codes
+    the grid spans $[\\min(lo, 0), \\max(hi, 0)]$ with zero among its values. At 4
+    and 2 bits the grid spans about $[lo, hi]$ itself: the zero point may be a fraction
+    of a code (1/8 at 4 bits) where the group has both signs, and lie beyond the codes
+    where it has one sign and stays away from zero (a GELU's gate, `tanh` outputs
+    near 1), so no value moves by more than about $(hi - lo) / (2 (2^b - 1))$ (more,
+    at 4 bits, for a group farther from zero than 4 times its range). Groups
+    reaching zero from one side (a causal mask, ReLU, probabilities) keep zero as a
+    code: their zeros stay exactly zero. With an fp8 `format`,
     $x / s$ is stored in JAX's float8 dtype, $s = m / \\max_\\text{fp8}$.
 
     - Memory per element, float32 residual, group 64, float32 scales: int8 1.08 B
@@ -241,7 +246,7 @@ class Quantize(Policy):
         which no NaN escapes whatever the order of its additions, shows one after all."""
         exact = functools.partial(_finite_range, axis=axis)
         check = jnp.isfinite(jnp.sum(groups))  # a finite sum that overflows costs time only
-        lo, hi, broken = _cond(check, _with_zero, exact, groups, lo, hi)
+        lo, hi, broken = _cond(check, _as_they_are, exact, groups, lo, hi)
         return self._codes(groups, lo, hi, broken, key, axis)
 
     def _pack_any(self, groups, lo, hi, key, axis):
@@ -256,9 +261,9 @@ class Quantize(Policy):
     def _codes(self, groups, lo, hi, broken, key, axis) -> dict[str, jnp.ndarray]:
         """Codes and per-group scales (and zero points) for groups spanning `[lo, hi]`.
 
-        `lo <= 0 <= hi` (so zero is always on the grid), from the finite values, both
-        with the group axis kept (size 1), `axis` that of the groups' elements;
-        `broken` marks the groups holding a NaN or Inf.
+        `lo` and `hi` from the finite values, both with the group axis kept (size 1),
+        `axis` that of the groups' elements; `broken` marks the groups holding a NaN
+        or Inf.
         """
         if self.format != "int":
             top = float(jnp.finfo(_FP8[self.format]).max)
@@ -291,8 +296,10 @@ class Quantize(Policy):
         rounded = jnp.round(position) if noise is None else jnp.floor(position + noise)
         if self._square_grid:
             rounded = jnp.where(square, _square_root_code(ratio, noise), rounded)
-            zero = jnp.where(square, _SQUARE, zero)
         codes = jnp.clip(rounded, jnp.where(broken, 1, 0), top)
+        zero = _encode_zero(zero, top)
+        if self._square_grid:
+            zero = jnp.where(square, _SQUARE, zero)
         # Code 0 for a NaN or Inf (its position is NaN or clipped to an end): an
         # elementwise select, fused into the codes' own computation.
         codes = jnp.where(jnp.isfinite(groups), codes, 0).astype(jnp.uint8)
@@ -314,7 +321,7 @@ class Quantize(Policy):
         # changes the TPU compiler's fusions (v5e, scan MLP int8: 0.79x plain's peak
         # against 0.69x).
         floats = codes.astype(jnp.float32)
-        grid = floats - zero.astype(jnp.float32)
+        grid = floats - _decode_zero(zero, 2**self.bits - 1)
         if self._square_grid:
             grid = jnp.where(zero == _SQUARE, floats * floats, grid)
         values = grid * jnp.abs(scale)
@@ -330,10 +337,10 @@ def _cond(pred, true_fun, false_fun, *operands):
     return (true_fun if pred else false_fun)(*operands)
 
 
-def _with_zero(groups, lo, hi):
-    """All values finite: the groups' ranges widened to hold zero, no group broken."""
+def _as_they_are(groups, lo, hi):
+    """All values finite: the groups' ranges as they are, no group broken."""
     del groups
-    return jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0), jnp.zeros_like(hi, dtype=bool)
+    return lo, hi, jnp.zeros_like(hi, dtype=bool)
 
 
 def _finite_range(groups, lo, hi, axis):
@@ -458,24 +465,70 @@ def _layout(shape: tuple[int, ...], group_size: int) -> _Layout:
 
 
 def _zero_point(lo: jnp.ndarray, hi: jnp.ndarray, top: int):
-    """The integer code of zero and the step of a grid of codes `0..top` over `[lo, hi]`.
+    """The zero point `z` and the step `s` of the grid `(c - z) * s`, codes `c = 0..top`,
+    that holds `[lo, hi]` with the least step.
 
-    Affine quantization (as PyTorch's and TFLite's integer kernels): value = (code -
-    zero) * step. Zero is a code, so exact zeros (a causal mask, ReLU, padding) stay
-    exactly zero; a group of one sign uses all the codes. Of the two integer zero
-    points around the exact one, the one with the smaller step: the step is at most
-    `(hi - lo) / (top - 1)`, so no value moves by more than half of that.
+    Affine quantization (as PyTorch's and TFLite's integer kernels). 8-bit codes take
+    an integer `0 <= z <= top`: zero is a code. Below 8 bits `z` is one of the
+    values `_encode_zero` stores in a byte: fractions of a code within the codes
+    (a group of both signs then uses about its own range, not `[lo, hi]` widened to
+    a whole zero point), whole codes beyond them (a group of one sign away from
+    zero). A group reaching zero from one side gets `z = 0` or `top`, so its zeros
+    stay exact. Of the two representable zero points around the exact one, the one
+    with the smaller step.
     """
     exact = top * -lo / jnp.where(hi > lo, hi - lo, 1.0)
+    if top == 255:
+        down = jnp.clip(jnp.floor(exact), 0, top)
+        up = jnp.clip(jnp.ceil(exact), 0, top)
+    else:
+        fine = _fractions(top)
+        within = (exact >= 0) & (exact <= top)
+        # Beyond the codes, the whole zero point next to the exact one on the codes'
+        # side: its grid holds the group (and still does where it is clipped).
+        beyond = jnp.clip(jnp.where(exact < 0, jnp.ceil(exact), jnp.floor(exact)),
+                          -_BEYOND, top + _BEYOND)
+        down = jnp.where(within, jnp.floor(exact * fine) / fine, beyond)
+        up = jnp.where(within, jnp.ceil(exact * fine) / fine, beyond)
 
     def step(zero):
-        above = jnp.where(zero < top, hi / jnp.maximum(top - zero, 1.0), 0.0)
-        below = jnp.where(zero > 0, -lo / jnp.maximum(zero, 1.0), 0.0)
+        # The least step with (top - z) s >= hi and z s >= -lo: the grid's ends hold
+        # the group's (a zero point beyond the codes leaves one bound to hold).
+        above = jnp.where(zero < top, hi / jnp.where(zero < top, top - zero, 1.0), 0.0)
+        below = jnp.where(zero > 0, -lo / jnp.where(zero > 0, zero, 1.0), 0.0)
         return jnp.maximum(above, below)
 
-    down, up = jnp.floor(exact), jnp.ceil(exact)
     step_down, step_up = step(down), step(up)
     return jnp.where(step_down <= step_up, down, up), jnp.minimum(step_down, step_up)
+
+
+# Below 8 bits a zero point's byte holds one of: fractions `k / _fractions(top)` of a
+# code from 0 up to `top + 1` (bytes 0..127), whole codes from -1 down to `-_BEYOND`
+# (128..190) and from `top + 1` up to `top + _BEYOND` (191..254); 255 is `_SQUARE`.
+_BEYOND = 63
+
+
+def _fractions(top: int) -> int:
+    return 128 // (top + 1)
+
+
+def _encode_zero(zero: jnp.ndarray, top: int) -> jnp.ndarray:
+    """The byte of a zero point from `_zero_point`."""
+    if top == 255:
+        return zero.astype(jnp.uint8)
+    within = (zero >= 0) & (zero < top + 1)
+    byte = jnp.where(within, jnp.round(zero * _fractions(top)),
+                     jnp.where(zero < 0, 127 - zero, 190 + zero - top))
+    return byte.astype(jnp.uint8)
+
+
+def _decode_zero(byte: jnp.ndarray, top: int) -> jnp.ndarray:
+    """The zero point (float32) of an `_encode_zero` byte."""
+    value = byte.astype(jnp.float32)
+    if top == 255:
+        return value
+    return jnp.where(value < 128, value / _fractions(top),
+                     jnp.where(value <= 190, 127 - value, top + value - 190))
 
 
 def _square_root_code(ratio: jnp.ndarray, noise: jnp.ndarray | None) -> jnp.ndarray:
