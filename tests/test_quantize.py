@@ -123,6 +123,14 @@ def test_groups_of_one_sign_away_from_zero_are_stored_over_their_own_range(bits)
     assert bool(jnp.all(error[:2] < 0.6 * m / (2 * (2**bits - 1))))
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_groups_of_one_value_come_back_as_it(bits):
+    values = jnp.array([-1e-3, 1e-3, -0.3, 0.7, -5e4, 3e-30, 0.0])
+    x = jnp.repeat(values[:, None], 64, axis=1)
+    _, y = _round_trip(rp.Quantize(bits=bits), x)
+    np.testing.assert_allclose(y, x, rtol=1e-6)
+
+
 def test_bfloat16_scales_cover_their_group():
     x = jax.random.normal(jax.random.key(2), (5, 64)) * 3
     packed, y = _round_trip(rp.Quantize(bits=8, scale_dtype=jnp.bfloat16), x)

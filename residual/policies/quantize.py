@@ -477,6 +477,10 @@ def _zero_point(lo: jnp.ndarray, hi: jnp.ndarray, top: int):
     stay exact. Of the two representable zero points around the exact one, the one
     with the smaller step.
     """
+    # A group of one value: its range widened to zero, which then lies at one end.
+    constant = hi <= lo
+    lo = jnp.where(constant, jnp.minimum(lo, 0.0), lo)
+    hi = jnp.where(constant, jnp.maximum(hi, 0.0), hi)
     exact = top * -lo / jnp.where(hi > lo, hi - lo, 1.0)
     if top == 255:
         down = jnp.clip(jnp.floor(exact), 0, top)
