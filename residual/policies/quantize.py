@@ -508,12 +508,15 @@ def _zero_point(lo: jnp.ndarray, hi: jnp.ndarray, top: int):
 
 # Below 8 bits a zero point's byte holds one of: fractions `k / _fractions(top)` of a
 # code from 0 up to `top + 1` (bytes 0..127), whole codes from -1 down to `-_BEYOND`
-# (128..190) and from `top + 1` up to `top + _BEYOND` (191..254); 255 is `_SQUARE`.
+# (from `_NEGATIVE`: 128..190) and from `top + 1` up to `top + _BEYOND` (from
+# `_POSITIVE`: 191..253); 255 is `_SQUARE`.
 _BEYOND = 63
+_NEGATIVE = 128
+_POSITIVE = _NEGATIVE + _BEYOND
 
 
 def _fractions(top: int) -> int:
-    return 128 // (top + 1)
+    return _NEGATIVE // (top + 1)
 
 
 def _encode_zero(zero: jnp.ndarray, top: int) -> jnp.ndarray:
@@ -522,7 +525,7 @@ def _encode_zero(zero: jnp.ndarray, top: int) -> jnp.ndarray:
         return zero.astype(jnp.uint8)
     within = (zero >= 0) & (zero < top + 1)
     byte = jnp.where(within, jnp.round(zero * _fractions(top)),
-                     jnp.where(zero < 0, 127 - zero, 190 + zero - top))
+                     jnp.where(zero < 0, _NEGATIVE - 1 - zero, _POSITIVE - 1 + zero - top))
     return byte.astype(jnp.uint8)
 
 
@@ -531,8 +534,9 @@ def _decode_zero(byte: jnp.ndarray, top: int) -> jnp.ndarray:
     value = byte.astype(jnp.float32)
     if top == 255:
         return value
-    return jnp.where(value < 128, value / _fractions(top),
-                     jnp.where(value <= 190, 127 - value, top + value - 190))
+    return jnp.where(value < _NEGATIVE, value / _fractions(top),
+                     jnp.where(value < _POSITIVE, _NEGATIVE - 1 - value,
+                               top + 1 + value - _POSITIVE))
 
 
 def _square_root_code(ratio: jnp.ndarray, noise: jnp.ndarray | None) -> jnp.ndarray:
