@@ -2,6 +2,7 @@
 residuals your gradients save."""
 
 from . import policies as policies
+from ._engine.transform import with_hooks as with_hooks
 from ._errors import HookError as HookError
 from ._errors import TargetUnavailableError as TargetUnavailableError
 from ._gradcheck import GradcheckResult as GradcheckResult
@@ -22,7 +23,6 @@ from ._policy import Policy as Policy
 from ._scope import disable_saved_tensors_hooks as disable_saved_tensors_hooks
 from ._scope import saved_tensors_hooks as saved_tensors_hooks
 from ._target import DoesNotFitError as DoesNotFitError
-from ._transform import with_hooks as with_hooks
 from .policies.offload import save_on_cpu as save_on_cpu
 
 __version__ = "0.1.0"

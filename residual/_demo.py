@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ._engine.transform import with_hooks
 from ._gradcheck import gradcheck
 from ._inspect import inspect
-from ._transform import with_hooks
 from .policies import Quantize
 
 

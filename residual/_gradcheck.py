@@ -12,13 +12,13 @@ import jax.numpy as jnp
 import jax.test_util
 import numpy as np
 
+from ._engine.record import recording
+from ._engine.transform import with_hooks
 from ._info import ResidualInfo
 from ._inspect import _backward, nothing_packed
 from ._memory import Memory
 from ._policy import FunctionHooks, Policy, as_policy
-from ._record import recording
 from ._target import resolve
-from ._transform import with_hooks
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,9 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import html
-import os
-import sys
-import sysconfig
 import textwrap
 from collections.abc import Callable
 from typing import Any
@@ -17,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _jax_private as jp
+from ._engine.record import Record, recording
+from ._engine.residuals import _producers, _Provenance, _trace_origin
+from ._engine.transform import with_hooks
 from ._info import dtype_name
 from ._policy import Policy
-from ._record import Record, recording
-from ._residuals import _OWN_FILES, _producers, _Provenance, _trace_origin, is_own_file
+from ._source import file_label, is_library
 from ._target import resolve
-from ._transform import with_hooks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -526,32 +524,10 @@ def _user_source(record: Record) -> str | None:
             {v: i for i, v in enumerate(jaxpr.invars)}, origin)
     for eqn in (origin.eqn, *origin.enclosing):
         for file_name, line, function in jp.source_frames(eqn) if eqn is not None else ():
-            if not _is_library(file_name):
+            if not is_library(file_name):
                 function = function.replace("<locals>.", "")
-                return f"{_file_label(file_name)}:{line} ({function})"
+                return f"{file_label(file_name)}:{line} ({function})"
     return info.source
-
-
-_LIBRARIES = tuple(
-    os.path.join(sysconfig.get_paths()[key], "") for key in ("stdlib", "purelib", "platlib")
-)
-
-
-def _is_library(file_name: str) -> bool:
-    if file_name.startswith(_OWN_FILES):
-        return is_own_file(file_name)
-    return (file_name.startswith(_LIBRARIES)
-            or f"{os.sep}site-packages{os.sep}" in file_name
-            or f"{os.sep}dist-packages{os.sep}" in file_name)
-
-
-def _file_label(file_name: str) -> str:
-    """`model.py`, or `In[3]` for a notebook cell (IPython names cells by temp files)."""
-    ipython = sys.modules.get("IPython")
-    shell = ipython.get_ipython() if ipython is not None else None
-    named = getattr(getattr(shell, "compile", None), "format_code_name", lambda _: None)
-    cell = named(file_name)
-    return cell[1] if cell else os.path.basename(file_name)
 
 
 def footer(legend: list[str], summary: list[str], notes, width: int | None) -> list[str]:

@@ -16,8 +16,9 @@ import numpy as np
 
 from . import _buffers
 from . import _jax_private as jp
-from ._inspect import _bytes, _file_label, _is_library, footer
+from ._inspect import _bytes, footer
 from ._memory import Memory
+from ._source import file_label, is_library
 
 # What each kind of row is, for the legends.
 KINDS = {
@@ -397,8 +398,8 @@ def _source(stack: tuple[str, ...]) -> str | None:
     """The innermost frame of the user's own code, as `file.py:12`; else the innermost."""
     for frame in stack:
         file_name, _, line = frame.rpartition(":")
-        if not _is_library(file_name):
-            return f"{_file_label(file_name)}:{line}"
+        if not is_library(file_name):
+            return f"{file_label(file_name)}:{line}"
     if stack:
         file_name, _, line = stack[0].rpartition(":")
         return f"{os.path.basename(file_name)}:{line}"

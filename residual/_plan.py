@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._engine.record import recording
+from ._engine.transform import with_hooks
 from ._info import ResidualInfo, dtype_name
 from ._memory import Memory
 from ._policy import Policy
-from ._record import recording
 from ._target import DoesNotFitError, Target, resolve
-from ._transform import with_hooks
 
 # The actions a plan may choose, by the name plans store (JSON stays readable and stable).
 ACTIONS = ("keep", "bf16", "int8", "int4", "remat", "offload")

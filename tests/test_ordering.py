@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from residual._ordering import passed_after
+from residual._engine.ordering import passed_after
 
 
 def _take_row(x):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import residual
+from residual._engine.record import recording
 from residual._plan import (
     _TIME_TIE,
     Decision,
@@ -21,7 +22,6 @@ from residual._plan import (
     _code_key,
     _make_monotone,
 )
-from residual._record import recording
 from residual.policies import Identity
 
 from .helpers import mlp_params, peak_bytes, relative_error, scan_mlp, tree_equal, unrolled_mlp

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._engine.ordering import in_device_memory
 from .._info import ResidualInfo
-from .._ordering import in_device_memory
 from .._policy import Policy, check_bool, check_int
 from ._defaults import worth_packing
 

@@ -13,8 +13,8 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from ._info import ResidualInfo
-from ._policy import Policy
+from .._info import ResidualInfo
+from .._policy import Policy
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _jax_private as jp
-from ._plans import Decision, Handoff, RecomputePlan, Restores, Stores, as_array, decide
-from ._policy import Policy
-from ._record import Record, record
-from ._residuals import Analysis, InputKind, Residual, backward_jaxpr, trace_residuals
-from .policies.select import warns_on_unmatched_rules
+from .. import _jax_private as jp
+from .._policy import Policy
+from ..policies.select import warns_on_unmatched_rules
+from .decisions import Decision, Handoff, RecomputePlan, Restores, Stores, as_array, decide
+from .record import Record, record
+from .residuals import Analysis, InputKind, Residual, backward_jaxpr, trace_residuals
 
 
 def hooked_call(

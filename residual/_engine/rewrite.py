@@ -19,11 +19,11 @@ from typing import Any
 import jax
 from jax import lax
 
-from . import _jax_private as jp
-from ._hooked_call import hooked_call
-from ._policy import Policy
-from ._residuals import KEPT, PER_ITERATION
-from ._scope import is_marker, policy_of_marker, resolve_entry
+from .. import _jax_private as jp
+from .._policy import Policy
+from .._scope import is_marker, policy_of_marker, resolve_entry
+from .hooked_call import hooked_call
+from .residuals import KEPT, PER_ITERATION
 
 
 def interpret(

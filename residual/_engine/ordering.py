@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _jax_private as jp
+from .. import _jax_private as jp
 
 
 def ordered(

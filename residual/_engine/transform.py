@@ -13,18 +13,19 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import _jax_private as jp
-from ._hooked_call import hooked_call
-from ._nnx import call_with_state_updates
-from ._policy import Policy, as_policy
-from ._residuals import KEPT
-from ._rewrite import has_markers, interpret
-from ._scope import (
+from .. import _jax_private as jp
+from .._policy import Policy, as_policy
+from .._scope import (
     current_policy,
     disable_saved_tensors_hooks,
     is_marker,
     saved_tensors_hooks,
 )
+from .._source import PACKAGE_DIR
+from .hooked_call import hooked_call
+from .nnx import call_with_state_updates
+from .residuals import KEPT
+from .rewrite import has_markers, interpret
 
 
 def with_hooks(
@@ -209,7 +210,7 @@ def _untraceable_message(f: Callable, error: Exception, *, inner_scope: bool) ->
 
 def _user_frame(error: Exception) -> str | None:
     """`file.py:12 (`source line`)` of the innermost frame outside JAX and `residual`."""
-    skip = (os.path.dirname(jax.__file__), os.path.dirname(__file__), "<frozen ")
+    skip = (os.path.dirname(jax.__file__), PACKAGE_DIR, "<frozen ")
     frames = [fr for fr in traceback.extract_tb(error.__traceback__)
               if not fr.filename.startswith(skip)]
     if not frames:

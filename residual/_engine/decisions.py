@@ -20,13 +20,13 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from . import _jax_private as jp
-from ._errors import HookError
-from ._info import ResidualInfo
-from ._ordering import ordered
-from ._policy import FunctionHooks, Policy
-from ._residuals import OWNED_NAME, Analysis, InputKind, Residual, value_describer
-from ._scope import resolve_entry
+from .. import _jax_private as jp
+from .._errors import HookError
+from .._info import ResidualInfo
+from .._policy import FunctionHooks, Policy
+from .._scope import resolve_entry
+from .ordering import ordered
+from .residuals import OWNED_NAME, Analysis, InputKind, Residual, value_describer
 
 
 def decide(

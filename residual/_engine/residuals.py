@@ -9,16 +9,16 @@ bodies, `cond` branches and `checkpoint`s) gives its metadata.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _jax_private as jp
-from ._info import ResidualInfo
-from ._scope import is_marker, policy_of_marker
+from .. import _jax_private as jp
+from .._info import ResidualInfo
+from .._scope import is_marker, policy_of_marker
+from .._source import is_own_file
 
 # The `checkpoint_name` given to what a hooked call stores: an enclosing `with_hooks`
 # leaves these residuals to it, so hooks never pack already-packed data twice.
@@ -260,15 +260,6 @@ class _DerivativeRules:
                 name = e.primitive.name
                 return str(e.params.get("name", name)) if name in ("jit", "pjit") else name
         return None
-
-
-_OWN_FILES = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_DEMO = os.path.join(_OWN_FILES, "_demo.py")  # plays the user's part in `python -m residual demo`
-
-
-def is_own_file(file_name: str) -> bool:
-    """Whether `file_name` is this library's code (the demo, which plays the user, is not)."""
-    return file_name != _DEMO and file_name.startswith(_OWN_FILES)
 
 
 def _frames(origin: _Provenance) -> tuple[str, ...]:
