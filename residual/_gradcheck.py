@@ -15,7 +15,8 @@ import numpy as np
 from ._engine.record import recording
 from ._engine.transform import with_hooks
 from ._info import ResidualInfo
-from ._inspect import _backward, nothing_packed
+from ._inspect import nothing_packed
+from ._measure import backward, worst_argument_error
 from ._memory import Memory
 from ._policy import FunctionHooks, Policy, as_policy
 from ._target import resolve
@@ -145,16 +146,11 @@ def gradcheck(
         rtol = 1e-5 if inner.lossless or isinstance(inner, FunctionHooks) else 5e-2
     sink = _Sink()
     hooked = with_hooks(f, policy=_RoundTrip(inner, sink))
-    expected = _gradient(f, args)
+    expected = backward(f)(*args)
     with recording() as records:
-        got = _gradient(hooked, args)
+        got = backward(hooked)(*args)
     jax.effects_barrier()
-    errors = [
-        float(jnp.linalg.norm((g - e).ravel()) / (jnp.linalg.norm(e.ravel()) + 1e-30))
-        for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected))
-        if jnp.issubdtype(e.dtype, jnp.inexact)
-    ]
-    grad_error = max(errors, default=0.0)
+    grad_error = worst_argument_error(got, expected)
     finite_differences = None
     leaves, treedef = jax.tree.flatten(args)
     # Finite differences move the floating-point arguments only: integers and typed
@@ -179,8 +175,8 @@ def gradcheck(
     figures: tuple[Memory | None, Memory | None, str | None] = (None, None, None)
     if memory or target is not None:
         where = resolve(target)
-        figures = (where.memory(_backward(f), args),
-                   where.memory(_backward(with_hooks(f, policy=inner)), args), where.label)
+        figures = (where.memory(backward(f), args),
+                   where.memory(backward(with_hooks(f, policy=inner)), args), where.label)
     result = GradcheckResult(ok, grad_error, rtol, finite_differences, sink.checks(),
                              nothing_packed(records, inner) or "", *figures)
     if raise_on_failure and not ok:
@@ -191,11 +187,6 @@ def gradcheck(
 def _is_float(leaf) -> bool:
     """An array of floats (Python numbers, which have no dtype, stay fixed)."""
     return hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact)
-
-
-def _gradient(fn: Callable, args: tuple):
-    out, vjp = jax.vjp(fn, *args)
-    return vjp(jax.tree.map(jnp.ones_like, out))
 
 
 class _Sink:

@@ -15,9 +15,11 @@ import numpy as np
 
 from . import _jax_private as jp
 from ._engine.record import Record, recording
-from ._engine.residuals import _producers, _Provenance, _trace_origin
+from ._engine.residuals import producing_equations
 from ._engine.transform import with_hooks
+from ._format import array_label, size, sizes
 from ._info import dtype_name
+from ._measure import backward
 from ._policy import Policy
 from ._source import file_label, is_library
 from ._target import resolve
@@ -142,11 +144,11 @@ class Report:
         policies = {r.policy for r in rows if r.policy != "-"}
         columns = [
             ("#", lambda r: r.label, False),
-            ("array", lambda r: _array(r.dtype, r.shape), False),
+            ("array", lambda r: array_label(r.dtype, r.shape), False),
             ("x", lambda r: str(r.iterations) if r.iterations > 1 else "", False),
-            ("size", lambda r: _pair(r.total_bytes, r.stored_bytes)[0], False),
+            ("size", lambda r: sizes(r.total_bytes, r.stored_bytes)[0], False),
             ("how", lambda r: r.how, False),
-            ("stored", lambda r: _pair(r.total_bytes, r.stored_bytes)[1], False),
+            ("stored", lambda r: sizes(r.total_bytes, r.stored_bytes)[1], False),
             ("policy", lambda r: r.policy, True),
             ("op", _op, False),
             ("scope", lambda r: r.scope, True),
@@ -164,18 +166,18 @@ class Report:
 
     def _summary(self) -> list[str]:
         t = self.totals
-        before, after = _pair(t["residual_bytes"], t["stored_bytes"])
+        before, after = sizes(t["residual_bytes"], t["stored_bytes"])
         lines = [
             f"{len(self.rows)} residuals: {before} per step unpacked, {after} stored "
             f"({t['ratio']:.2f}x)"
         ]
         if "plain_peak_bytes" in t:
-            plain, hooked = _pair(t["plain_peak_bytes"], t["hooked_peak_bytes"])
+            plain, hooked = sizes(t["plain_peak_bytes"], t["hooked_peak_bytes"])
             lines.append(
                 f"compiled jit(grad) peak memory on {t['target']}: {plain} plain, {hooked} "
                 f"under the policy ({t['peak_ratio']:.2f}x)"
             )
-            plain, hooked = _pair(t["plain_beyond_bytes"], t["hooked_beyond_bytes"])
+            plain, hooked = sizes(t["plain_beyond_bytes"], t["hooked_beyond_bytes"])
             lines.append(
                 f"  beyond arguments and outputs: {plain} plain, {hooked} under the policy "
                 f"({t['beyond_ratio']:.2f}x)"
@@ -333,7 +335,7 @@ def inspect(
     fn = functools.partial(f, **kwargs) if kwargs else f
     probe = policy if policy is not None else Identity()
     with recording() as records:
-        jax.eval_shape(lambda *a: _backward(with_hooks(fn, policy=probe))(*a), *args)
+        jax.eval_shape(lambda *a: backward(with_hooks(fn, policy=probe))(*a), *args)
     rows, sections = _rows(records, policy is not None)
     residual_bytes = sum(r.total_bytes for r in rows)
     stored = sum(r.stored_bytes for r in rows)
@@ -346,8 +348,8 @@ def inspect(
     flagged: list[str] = []
     if compiled:
         where = resolve(target)
-        plain = where.memory(_backward(fn), args)
-        hooked_fn = _backward(with_hooks(fn, policy=probe))
+        plain = where.memory(backward(fn), args)
+        hooked_fn = backward(with_hooks(fn, policy=probe))
         if peak:
             from . import _peak
 
@@ -417,21 +419,11 @@ def nothing_packed(records: list[Record], policy: Policy) -> str | None:
     text = f"{name} packed nothing: of {len(records)} residuals, {', '.join(parts)}."
     if small:
         text += (
-            f" The largest is {_bytes(max(small))}: residuals this small cost little, and "
+            f" The largest is {size(max(small))}: residuals this small cost little, and "
             "packing pays only on large activations (wide layers, big batches, deep models). "
             "To pack them anyway, pass `min_bytes=0`."
         )
     return text
-
-
-def _backward(fn: Callable) -> Callable:
-    """The forward and backward pass of `fn`, with a cotangent of ones."""
-
-    def run(*args):
-        out, vjp = jax.vjp(fn, *args)
-        return vjp(jax.tree.map(jnp.ones_like, out))
-
-    return run
 
 
 def _rows(records: list[Record], with_policy: bool) -> tuple[tuple[Row, ...], dict[str, str]]:
@@ -519,11 +511,8 @@ def _user_source(record: Record) -> str | None:
     if (jaxpr is None or info.primitive is None
             or call.num_outputs + info.index >= len(jaxpr.outvars)):
         return info.source
-    origin = _Provenance(scopes=[], in_scan=False)
-    _trace_origin(jaxpr.outvars[call.num_outputs + info.index], _producers(jaxpr),
-            {v: i for i, v in enumerate(jaxpr.invars)}, origin)
-    for eqn in (origin.eqn, *origin.enclosing):
-        for file_name, line, function in jp.source_frames(eqn) if eqn is not None else ():
+    for eqn in producing_equations(jaxpr, call.num_outputs + info.index):
+        for file_name, line, function in jp.source_frames(eqn):
             if not is_library(file_name):
                 function = function.replace("<locals>.", "")
                 return f"{file_label(file_name)}:{line} ({function})"
@@ -611,25 +600,3 @@ def _differs(value, default) -> bool:
 
 def _short(text: str) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _array(dtype: str, shape) -> str:
-    """`f32[256,128]`, as `jax.ad_checkpoint.print_saved_residuals` writes it."""
-    short = (dtype.replace("bfloat", "bf").replace("float", "f").replace("uint", "u")
-             .replace("complex", "c").replace("int", "i"))
-    return f"{short}[{','.join(map(str, shape))}]"
-
-
-def _pair(a: float, b: float) -> tuple[str, str]:
-    """`a` and `b` in the unit that suits the larger, so that the two compare at a glance."""
-    unit, scale = "B", 1
-    for name, size in (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30)):
-        if max(a, b) >= size:
-            unit, scale = name, size
-    if unit == "B":
-        return f"{a:.0f} B", f"{b:.0f} B"
-    return tuple(f"{n / scale:.1f} {unit}" if n else "0" for n in (a, b))
-
-
-def _bytes(n: float) -> str:
-    return _pair(n, n)[0]

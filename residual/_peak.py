@@ -16,7 +16,8 @@ import numpy as np
 
 from . import _buffers
 from . import _jax_private as jp
-from ._inspect import _bytes, footer
+from ._format import size
+from ._inspect import footer
 from ._memory import Memory
 from ._source import file_label, is_library
 
@@ -120,7 +121,7 @@ class Peak:
         lines = [*title, "", *self._bar(min(width_ - 12, 80)), ""]
         header = ("kind", "array", "n", "bytes", "op", "source")
         cells = [header] + [(r.kind, r.array + (f" S({r.space})" if r.space else ""),
-                             str(r.count), _bytes(r.bytes) + _padded(r), _short_op(r.op),
+                             str(r.count), size(r.bytes) + _padded(r), _short_op(r.op),
                              r.source or "") for r in self.rows[:rows]]
         widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
         if width is not None:
@@ -137,15 +138,15 @@ class Peak:
                 lines.append("-" * len(lines[-1]))
         if len(self.rows) > rows:
             rest = self.rows[rows:]
-            lines.append(f"... {len(rest)} more rows, {_bytes(sum(r.bytes for r in rest))}")
+            lines.append(f"... {len(rest)} more rows, {size(sum(r.bytes for r in rest))}")
         lines += footer(self._legend(), self._summary(), self.notes, width)
         return "\n".join(lines)
 
     def _title(self) -> str:
         m = self.memory
-        return (f"Peak of the compiled program on {self.target}: {_bytes(m.peak)} "
-                f"({_bytes(m.arguments)} arguments, {_bytes(m.outputs)} outputs, "
-                f"{_bytes(m.beyond)} beyond them)")
+        return (f"Peak of the compiled program on {self.target}: {size(m.peak)} "
+                f"({size(m.arguments)} arguments, {size(m.outputs)} outputs, "
+                f"{size(m.beyond)} beyond them)")
 
     def _bar(self, width: int) -> list[str]:
         """The timeline in `width` characters, the peak and the backward's start marked."""
@@ -161,7 +162,7 @@ class Peak:
         if self.backward is not None:
             marks[int(np.searchsorted(edges, self.backward, side="right") - 1)] = "|"
         marks[min(column, len(marks) - 1)] = "^"
-        lines = [f"live   {bar}  {_bytes(top)}", f"       {''.join(marks).rstrip()}"]
+        lines = [f"live   {bar}  {size(top)}", f"       {''.join(marks).rstrip()}"]
         key = "^ the peak"
         if self.backward is not None:
             key += ", | the backward's start (forward before it)"
@@ -181,23 +182,23 @@ class Peak:
     def _summary(self) -> list[str]:
         by_kind = self.by_kind()
         total = sum(by_kind.values())
-        parts = ", ".join(f"{k} {_bytes(v)}" for k, v in
+        parts = ", ".join(f"{k} {size(v)}" for k, v in
                           sorted(by_kind.items(), key=lambda kv: -kv[1]))
         lines = [f"at the peak: {parts}"]
         differs = total / self.memory.peak - 1 if self.memory.peak else 0.0
         agreement = ("as the compiler's peak" if abs(differs) < 0.01 else
                      f"{abs(differs):.0%} {'more' if differs > 0 else 'less'} than the "
                      "compiler's peak")
-        lines.append(f"rows add up to {_bytes(total)}, {agreement} ({_bytes(self.memory.peak)})")
+        lines.append(f"rows add up to {size(total)}, {agreement} ({size(self.memory.peak)})")
         if self.host_bytes:
-            lines.append(f"in host memory at the peak (not counted): {_bytes(self.host_bytes)}")
+            lines.append(f"in host memory at the peak (not counted): {size(self.host_bytes)}")
         return lines
 
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{h}</th>" for h in ("kind", "array", "n", "bytes", "op", "source"))
         body = "".join(
             "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in (
-                r.kind, r.array, str(r.count), _bytes(r.bytes) + _padded(r), _short_op(r.op),
+                r.kind, r.array, str(r.count), size(r.bytes) + _padded(r), _short_op(r.op),
                 r.source or "")) + "</tr>" for r in self.rows)
         bar = html.escape("\n".join(self._bar(80)))
         foot = "<br>".join(html.escape(s) for s in
@@ -338,7 +339,7 @@ def from_program(program: _buffers.Program, memory: Memory, target: str) -> Peak
         rows.append(PeakRow("unplaced", "", 0, rest, rest, "", None))
     elif rest < -0.01 * memory.peak:
         notes.append(
-            f"The buffers live at this moment come to {_bytes(-rest)} more than the "
+            f"The buffers live at this moment come to {size(-rest)} more than the "
             "compiler's peak figure: on TPU a value copied into on-chip memory is listed "
             "in both spaces while the compiler counts it once."
         )
@@ -347,7 +348,7 @@ def from_program(program: _buffers.Program, memory: Memory, target: str) -> Peak
         waste = sum(r.bytes - r.unpadded for r in padded)
         notes.append(
             f"{len(padded)} rows are padded 2x or more by the target's tiling "
-            f"({_bytes(waste)} of padding at the peak): arrays whose last two dimensions "
+            f"({size(waste)} of padding at the peak): arrays whose last two dimensions "
             "are small (per-group statistics, narrow heads) occupy whole tiles there."
         )
     host = sum(b.bytes for b in program.live_at(position, _buffers.HOST))

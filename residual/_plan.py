@@ -19,7 +19,9 @@ import numpy as np
 
 from ._engine.record import recording
 from ._engine.transform import with_hooks
+from ._format import array_label, precise_size
 from ._info import ResidualInfo, dtype_name
+from ._measure import whole_gradient_error
 from ._memory import Memory
 from ._policy import Policy
 from ._target import DoesNotFitError, Target, resolve
@@ -288,8 +290,9 @@ class Plan(Policy):
         rows = [header]
         for i, d in enumerate(self.decisions):
             rows.append((
-                str(i), _array(d.dtype, d.shape), str(d.iterations) if d.iterations > 1 else "",
-                d.action, _mib(d.nbytes), _mib(d.stored), f"{1e3 * d.seconds:.3f}",
+                str(i), array_label(d.dtype, d.shape),
+                str(d.iterations) if d.iterations > 1 else "",
+                d.action, precise_size(d.nbytes), precise_size(d.stored), f"{1e3 * d.seconds:.3f}",
                 f"{d.error:.1e}" if d.error else "0", d.primitive or "(input)",
                 (d.frames[0] if d.frames else "")[:40],
             ))
@@ -303,8 +306,8 @@ class Plan(Policy):
     def _summary(self) -> list[str]:
         before = sum(d.nbytes for d in self.decisions)
         after = sum(d.stored for d in self.decisions)
-        lines = [f"{len(self.decisions)} residual groups: {_mib(before)} stored plainly, "
-                 f"{_mib(after)} under the plan (predicted)"]
+        lines = [f"{len(self.decisions)} residual groups: {precise_size(before)} stored plainly, "
+                 f"{precise_size(after)} under the plan (predicted)"]
         overhead = self.predicted_step_overhead
         if self.recompute_scans:
             lines.append("values of scan bodies not listed: recomputed, as `Remat` on the body")
@@ -320,12 +323,12 @@ class Plan(Policy):
         elif self.step_seconds is not None:  # plain jax.grad does not fit on the target
             lines.append(f"{kind}: {1e3 * self.step_seconds:.3g} ms")
         if self.plain_memory is not None and self.memory is not None:
-            asked = "least memory" if self.budget is None else f"budget {_mib(self.budget)}"
+            asked = "least memory" if self.budget is None else f"budget {precise_size(self.budget)}"
             lines.append(
                 f"compiled jit(grad) peak memory on {self.target or 'the running backend'}"
-                f" (per device): {_mib(self.memory)} "
+                f" (per device): {precise_size(self.memory)} "
                 f"({self.memory / max(self.plain_memory, 1):.2f}x of plain "
-                f"{_mib(self.plain_memory)}); {asked}"
+                f"{precise_size(self.plain_memory)}); {asked}"
             )
         if self.grad_error is not None:
             lines.append(f"gradient error vs plain jax.grad: {self.grad_error:.2e} "
@@ -335,19 +338,6 @@ class Plan(Policy):
     def _repr_html_(self) -> str:
         lines = self.text().split("\n")
         return f"<pre>{html.escape(chr(10).join(lines))}</pre>"
-
-
-def _array(dtype: str, shape) -> str:
-    short = dtype.replace("bfloat", "bf").replace("float", "f").replace("int", "i")
-    return f"{short}[{','.join(map(str, shape))}]"
-
-
-def _mib(n: float) -> str:
-    if n >= 2**20:
-        return f"{n / 2**20:.2f} MiB"
-    if n >= 2**10:
-        return f"{n / 2**10:.1f} KiB"
-    return f"{n:.0f} B"
 
 
 def plan(
@@ -588,7 +578,7 @@ class PlanSweep:
             )
         lines.append(f"memory: compiled jit(grad) peak memory on "
                      f"{self.target or 'the running backend'}, of plain "
-                     f"{_mib(self.plain_memory)}; overhead: {self._overhead_kind}, of a "
+                     f"{precise_size(self.plain_memory)}; overhead: {self._overhead_kind}, of a "
                      "plain step")
         return "\n".join(lines)
 
@@ -1024,10 +1014,10 @@ class _Planner:
             return self._fastest(fits)
         best = self._least(error_cap)
         raise ValueError(
-            f"No plan fits `budget` of {_mib(target)} ({target / self.plain:.2f}x of plain "
-            f"`jax.grad`'s {_mib(self.plain)}): the least compiled memory reached with "
+            f"No plan fits `budget` of {precise_size(target)} ({target / self.plain:.2f}x of plain "
+            f"`jax.grad`'s {precise_size(self.plain)}): the least compiled memory reached with "
             f"actions {list(self.actions)} within max_grad_error={self.max_grad_error:g} is "
-            f"{_mib(self.memory(best))} ({self.memory(best) / self.plain:.2f}x). Raise "
+            f"{precise_size(self.memory(best))} ({self.memory(best) / self.plain:.2f}x). Raise "
             "`budget` to at least that, allow a larger `max_grad_error`, or more `actions`."
         )
 
@@ -1210,7 +1200,7 @@ class _Planner:
     def _grad_error(self, result: Plan) -> float:
         if result not in self._measured:
             got = self.executable(result)(*self.args)
-            self._measured[result] = _relative(got, self._plain_grad)
+            self._measured[result] = whole_gradient_error(got, self._plain_grad)
         return self._measured[result]
 
     def _step_seconds(self, policy: Plan | None) -> float | None:
@@ -1287,13 +1277,6 @@ def _packed_bytes(policy: Policy, info: ResidualInfo) -> int:
 def _plan_error(plan: Plan) -> float:
     """A plan's predicted gradient error: its round-trip errors added in quadrature."""
     return math.sqrt(sum(d.error**2 for d in plan.decisions))
-
-
-def _relative(got, want) -> float:
-    diff = sum(float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
-               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-    norm = sum(float(np.sum(np.asarray(b, np.float64) ** 2)) for b in jax.tree.leaves(want))
-    return math.sqrt(diff / norm) if norm > 0 else math.sqrt(diff)
 
 
 def _cost(fn: Callable, args) -> dict[str, float]:

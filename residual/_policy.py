@@ -11,6 +11,10 @@ import numpy as np
 
 from ._info import ResidualInfo
 
+# Wrappers of every hooked call's forward rule, for a policy that must see all the
+# residuals of one trace (`select` warns of rules that matched none). The engine applies
+# each, so it never imports a policy.
+FORWARD_WRAPPERS: list[Callable[[Callable], Callable]] = []
 
 class Policy:
     """Base for policy values: `pack(x, info)` in the forward, `unpack(packed, info)` after.

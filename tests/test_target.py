@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 import residual
 from residual import _target
 from residual import policies as rp
+from residual._measure import backward
 
 from .helpers import mlp_params, scan_mlp, unrolled_mlp
 
@@ -203,9 +204,9 @@ def test_gradcheck_reports_memory_on_request():
     ws, x = mlp_params(layers=4, width=64, batch=128)
     policy = rp.Remat()
     result = residual.gradcheck(scan_mlp, ws, x, policy=policy, memory=True)
-    plain = residual.compiled_memory(_backward(scan_mlp), ws, x)
+    plain = residual.compiled_memory(backward(scan_mlp), ws, x)
     hooked = residual.compiled_memory(
-        _backward(residual.with_hooks(scan_mlp, policy=policy)), ws, x)
+        backward(residual.with_hooks(scan_mlp, policy=policy)), ws, x)
     assert (result.plain_memory, result.hooked_memory) == (plain, hooked)
     assert result.target == "cpu" and hooked.beyond < plain.beyond
     assert f"compiled peak memory on cpu: {hooked.peak / 2**20:.2f} MiB" in repr(result)
@@ -219,19 +220,13 @@ TARGETS = [pytest.param("v5e", marks=needs_tpu), pytest.param("v6e", marks=needs
 PLATFORM = {"v5e": "tpu", "v6e": "tpu", "h100": "gpu"}
 
 
-def _backward(fn):
-    from residual._inspect import _backward
-
-    return _backward(fn)
-
-
 @pytest.mark.parametrize("target", TARGETS)
 def test_inspect_reports_the_targets_own_figures(target):
     ws, x = mlp_params(layers=4, width=256, batch=512)
     report = residual.inspect(scan_mlp, ws, x, policy=rp.Remat(), target=target)
     t = report.totals
-    plain = residual.compiled_memory(_backward(scan_mlp), ws, x, target=target)
-    here = residual.compiled_memory(_backward(scan_mlp), ws, x)
+    plain = residual.compiled_memory(backward(scan_mlp), ws, x, target=target)
+    here = residual.compiled_memory(backward(scan_mlp), ws, x)
     assert plain.platform == PLATFORM[target] and plain.peak != here.peak
     assert t["target"] == target
     assert (t["plain_peak_bytes"], t["plain_beyond_bytes"]) == (plain.peak, plain.beyond)
@@ -356,7 +351,7 @@ def test_gradcheck_memory_on_a_target(target):
     ws, x = mlp_params(layers=4, width=256, batch=512)
     result = residual.gradcheck(scan_mlp, ws, x, policy=rp.Remat(), target=target)
     assert result.ok and result.target == target
-    assert result.plain_memory == residual.compiled_memory(_backward(scan_mlp), ws, x,
+    assert result.plain_memory == residual.compiled_memory(backward(scan_mlp), ws, x,
                                                            target=target)
     assert result.hooked_memory.platform == PLATFORM[target]
 

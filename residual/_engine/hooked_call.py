@@ -9,6 +9,7 @@ each residual where it is first needed. See `residual/README.md` for the data fl
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,8 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import _jax_private as jp
-from .._policy import Policy
-from ..policies.select import warns_on_unmatched_rules
+from .._policy import FORWARD_WRAPPERS, Policy
 from .decisions import Decision, Handoff, RecomputePlan, Restores, Stores, as_array, decide
 from .record import Record, record
 from .residuals import Analysis, InputKind, Residual, backward_jaxpr, trace_residuals
@@ -79,7 +79,7 @@ def hooked_call(
         restores = Restores(handoff[0], stored, cts)
         return tuple(_run_backward(restores, list(cts), ordered=jp.is_staged()))
 
-    run.defvjp(warns_on_unmatched_rules(fwd), bwd)
+    run.defvjp(functools.reduce(lambda rule, wrap: wrap(rule), FORWARD_WRAPPERS, fwd), bwd)
     return run(*inputs)
 
 

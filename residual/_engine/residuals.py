@@ -280,6 +280,15 @@ def _source(origin: _Provenance) -> str | None:
     return next((s for s in sources if s is not None), None)
 
 
+def producing_equations(jaxpr: jp.Jaxpr, out_index: int) -> tuple:
+    """The equation that really produced output `out_index` of `jaxpr` (past the
+    primitives that only pass a value on), then those enclosing it; empty for an input."""
+    origin = _Provenance(scopes=[], in_scan=False)
+    _trace_origin(jaxpr.outvars[out_index], _producers(jaxpr),
+                  {v: i for i, v in enumerate(jaxpr.invars)}, origin)
+    return tuple(e for e in (origin.eqn, *origin.enclosing) if e is not None)
+
+
 def _producers(jaxpr: jp.Jaxpr) -> dict[Any, tuple[Any, int]]:
     return {v: (eqn, k) for eqn in jaxpr.eqns for k, v in enumerate(eqn.outvars)}
 

@@ -12,7 +12,7 @@ from .._policy import Policy, check_hashable
 from .identity import Identity
 from .offload import Offload
 from .profile import Profile
-from .select import _Select
+from .select import Select
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -162,7 +162,7 @@ def _choices(policy: Policy) -> tuple[Policy, ...]:
     """The policies a composite policy (`Chain`, `select`) hands residuals to."""
     if isinstance(policy, Chain):
         return policy.policies
-    if isinstance(policy, _Select):
+    if isinstance(policy, Select):
         default = () if policy.default is None else (policy.default,)
         return (*(p for _, p in policy.rules), *default)
     return ()

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._info import ResidualInfo
-from .._policy import Policy, check_hashable
+from .._policy import FORWARD_WRAPPERS, Policy, check_hashable
 
 
 def select(
@@ -105,11 +105,11 @@ def select(
         )
     if default is not None:
         check_hashable(default, "`default`")
-    return _Select(tuple(checked), default)
+    return Select(tuple(checked), default)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Select(Policy):
+class Select(Policy):
     """What `select` returns: dispatches each residual to one of its policies."""
 
     rules: tuple[tuple[Callable[[ResidualInfo], bool], Policy], ...]
@@ -172,14 +172,16 @@ def warns_on_unmatched_rules(fwd: Callable) -> Callable:
     return audited
 
 
+FORWARD_WRAPPERS.append(warns_on_unmatched_rules)
+
 class _Audit:
     """Which rules of each `select` matched, and the residuals they were tried on."""
 
     def __init__(self):
-        self.matched: dict[_Select, list[bool]] = {}
-        self.seen: dict[_Select, set[ResidualInfo]] = {}
+        self.matched: dict[Select, list[bool]] = {}
+        self.seen: dict[Select, set[ResidualInfo]] = {}
 
-    def saw(self, chooser: _Select, info: ResidualInfo) -> None:
+    def saw(self, chooser: Select, info: ResidualInfo) -> None:
         matched = self.matched.setdefault(chooser, [False] * len(chooser.rules))
         self.seen.setdefault(chooser, set()).add(info)
         for i, (predicate, _) in enumerate(chooser.rules):
