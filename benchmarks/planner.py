@@ -46,7 +46,9 @@ import _models as models
 import speed
 
 import residual
-from residual import _plan, _target  # the planner's internals, for the exhaustive search
+from residual import _target
+from residual._plan import checks, timing  # the planner's internals, for the exhaustive search
+from residual._plan import planner as planning
 
 BUDGETS = (0.25, 0.5, 0.75, None)
 SWEEP = tuple(round(0.1 * i, 1) for i in range(1, 11))
@@ -197,7 +199,7 @@ def _monotone(name, sweep, start, plain) -> list[str]:
     cost = [(p.step_seconds, p.grad_error or 0.0) for p in plans]
     ok = all(a <= b for a, b in itertools.pairwise(memory)) and all(
         b <= a or eb < ea for (a, ea), (b, eb) in itertools.pairwise(cost)) and all(
-        b <= (1 + _plan._TIME_TIE) * min(c for c, _ in cost[:k])
+        b <= (1 + timing.TIME_TIE) * min(c for c, _ in cost[:k])
         for k, (b, _) in enumerate(cost) if k)
     return [] if ok else [f"{name}: sweep not monotone"]
 
@@ -246,7 +248,7 @@ def _against_exhaustive(name, loss, args, steps, target=None, limit: int = 600) 
     the planner's plan for it, in the planner's predicted cost and in measured step time
     (the three combinations of least predicted cost are timed, as the plan is)."""
     where = _target.resolve(target)
-    planner = _plan._Planner(loss, args, 0, _plan._check_actions(None, where), MAX_GRAD_ERROR,
+    planner = planning.Planner(loss, args, 0, checks.check_actions(None, where), MAX_GRAD_ERROR,
                              where)
     options = [list(g.options) for g in planner.groups]
     combos = math.prod(map(len, options))

@@ -16,6 +16,7 @@ from ._peak import Peak as Peak
 from ._peak import PeakRow as PeakRow
 from ._peak import peak as peak
 from ._plan import Plan as Plan
+from ._plan import PlanDecision as PlanDecision
 from ._plan import PlanSweep as PlanSweep
 from ._plan import plan as plan
 from ._plan import plan_sweep as plan_sweep

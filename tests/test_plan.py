@@ -14,14 +14,10 @@ import pytest
 
 import residual
 from residual._engine.record import recording
-from residual._plan import (
-    _TIME_TIE,
-    Decision,
-    Plan,
-    _check_budget,
-    _code_key,
-    _make_monotone,
-)
+from residual._plan.checks import check_budget
+from residual._plan.sweep import make_monotone
+from residual._plan.timing import TIME_TIE
+from residual._plan.value import Plan, code_key_of
 from residual.policies import Identity
 
 from .helpers import mlp_params, peak_bytes, relative_error, scan_mlp, tree_equal, unrolled_mlp
@@ -69,12 +65,12 @@ def test_budget_is_met_on_the_compiled_program():
 
 
 def test_budget_in_bytes_and_as_a_size_string():
-    assert _check_budget("6 GiB") == ("bytes", 6 * 2**30)
-    assert _check_budget("512MiB") == ("bytes", 512 * 2**20)
-    assert _check_budget("1.5 kb") == ("bytes", 1500)
-    assert _check_budget(4096) == ("bytes", 4096)
-    assert _check_budget(0.5) == ("fraction", 0.5)
-    assert _check_budget(None) is None
+    assert check_budget("6 GiB") == ("bytes", 6 * 2**30)
+    assert check_budget("512MiB") == ("bytes", 512 * 2**20)
+    assert check_budget("1.5 kb") == ("bytes", 1500)
+    assert check_budget(4096) == ("bytes", 4096)
+    assert check_budget(0.5) == ("fraction", 0.5)
+    assert check_budget(None) is None
 
 
 def test_scan_layers_are_one_decision():
@@ -142,9 +138,10 @@ def test_plan_is_the_fastest_measured_of_the_one_action_plans_that_fit():
     # take one action everywhere (a policy chosen by hand) that fit are timed with the
     # finalists, and the plan returned is the fastest of them all, or as fast (within
     # timing noise) and at least as accurate.
-    from residual._plan import _TIME_TIE, _check_actions, _Planner
+    from residual._plan.checks import check_actions
+    from residual._plan.planner import Planner
 
-    planner = _Planner(scan_mlp, _scan_args(), 0, _check_actions(None), 1e-2)
+    planner = Planner(scan_mlp, _scan_args(), 0, check_actions(None), 1e-2)
     target = int(_scan_budget() * planner.plain)
     result = planner.run(("bytes", target))
     fitting = [p for p in planner._uniform if p in planner._memory  # compiled: in reach
@@ -153,7 +150,7 @@ def test_plan_is_the_fastest_measured_of_the_one_action_plans_that_fit():
     for p in fitting:
         assert p in planner._step_ratio
         ratio, theirs = planner._step_ratio[result], planner._step_ratio[p]
-        assert ratio <= (1 + _TIME_TIE) * theirs
+        assert ratio <= (1 + TIME_TIE) * theirs
         assert ratio <= theirs or planner._error(result) <= planner._error(p)
     assert result.step_seconds == pytest.approx(
         planner._step_ratio[result] * result.plain_step_seconds)
@@ -220,7 +217,7 @@ def test_sweep_is_monotone():
             assert p2.grad_error < p1.grad_error
     for k, (_, p) in enumerate(feasible[1:], 1):
         fastest = min(q.step_seconds for _, q in feasible[:k])
-        assert p.step_seconds <= (1 + _TIME_TIE) * fastest
+        assert p.step_seconds <= (1 + TIME_TIE) * fastest
     for b, p in feasible:
         assert p.memory <= b * sweep.plain_memory
     least = sweep.plans[-1]
@@ -240,16 +237,16 @@ def test_sweep_step_allowance_does_not_add_up():
     # slower than the smallest.
     plans = [_timed(30, 1.00, 4e-3), _timed(40, 1.04, 3e-3), _timed(50, 1.08, 2e-3),
              _timed(60, 1.12, 1e-3)]
-    _make_monotone(plans, [0, 1, 2, 3], [30, 40, 50, 60])
+    make_monotone(plans, [0, 1, 2, 3], [30, 40, 50, 60])
     assert [p.memory for p in plans] == [30, 40, 40, 40]
     assert [p.budget for p in plans] == [30, 40, 50, 60]
     # Faster by more than the tie: the smaller budget's plan is taken, whatever its error.
     plans = [_timed(30, 1.00, 4e-3), _timed(40, 1.10, 0.0)]
-    _make_monotone(plans, [0, 1], [30, 40])
+    make_monotone(plans, [0, 1], [30, 40])
     assert plans[1].memory == 30
     # A smaller budget whose plan uses more memory takes the larger budget's.
     plans = [_timed(50, 1.00, 0.0), _timed(40, 1.00, 0.0)]
-    _make_monotone(plans, [0, 1], [50, 60])
+    make_monotone(plans, [0, 1], [50, 60])
     assert plans[0].memory == 40 and plans[0].budget == 50
 
 
@@ -269,7 +266,7 @@ def test_plan_round_trips_through_json_and_repr():
     loaded = Plan.from_json(p.to_json())
     assert loaded == p and hash(loaded) == hash(p)
     assert loaded.memory == p.memory and loaded.grad_error == p.grad_error
-    assert eval(repr(p), {"Plan": Plan, "Decision": Decision}) == p
+    assert eval(repr(p), vars(residual)) == p  # every name a repr shows is exported
     assert tree_equal(_grad(scan_mlp, loaded)(*args), _grad(scan_mlp, p)(*args))
     assert json.loads(p.to_json())["format"] == "residual.Plan"
 
@@ -293,11 +290,11 @@ def test_plan_matches_every_residual_of_a_fresh_trace():
 
     with recording() as records:
         step(*args)
-    seen = {(_code_key(r.info), r.info.index) for r in records}
+    seen = {(code_key_of(r.info), r.info.index) for r in records}
     for d in p.decisions:
         assert (d.code_key, d.index) in seen
         info = next(r.info for r in records
-                    if (_code_key(r.info), r.info.index) == (d.code_key, d.index))
+                    if (code_key_of(r.info), r.info.index) == (d.code_key, d.index))
         assert p.action_for(info) == d.action
     # Unrolled layers share their code and differ by occurrence.
     assert max(d.occurrence for d in p.decisions) == 3
@@ -369,5 +366,5 @@ def test_bad_json_and_decisions():
         Plan.from_json("{}")
     with pytest.raises(ValueError, match=r"expects the text .* but got 'not json'"):
         Plan.from_json("not json")
-    with pytest.raises(TypeError, match=r"`decisions` must be a tuple of `Decision`s"):
+    with pytest.raises(TypeError, match=r"`decisions` must be a tuple of `PlanDecision`s"):
         Plan([])
