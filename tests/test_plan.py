@@ -144,16 +144,17 @@ def test_plan_is_the_fastest_measured_of_the_one_action_plans_that_fit():
     planner = Planner(scan_mlp, _scan_args(), 0, check_actions(None), 1e-2)
     target = int(_scan_budget() * planner.plain)
     result = planner.run(("bytes", target))
-    fitting = [p for p in planner._uniform if p in planner._memory  # compiled: in reach
-               and planner._memory[p] <= target and planner._error(p) <= 1e-2]
+    compiled = planner.programs.compiled_memory  # compiled: in reach
+    fitting = [p for p in planner._uniform if p in compiled
+               and compiled[p] <= target and planner._error(p) <= 1e-2]
     assert fitting
     for p in fitting:
-        assert p in planner._step_ratio
-        ratio, theirs = planner._step_ratio[result], planner._step_ratio[p]
+        assert p in planner.programs.step_ratio
+        ratio, theirs = planner.programs.step_ratio[result], planner.programs.step_ratio[p]
         assert ratio <= (1 + TIME_TIE) * theirs
         assert ratio <= theirs or planner._error(result) <= planner._error(p)
     assert result.step_seconds == pytest.approx(
-        planner._step_ratio[result] * result.plain_step_seconds)
+        planner.programs.step_ratio[result] * result.plain_step_seconds)
     assert f"{100 * result.step_overhead:+.1f}% against plain" in str(result)
 
 

@@ -6,17 +6,24 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._engine.record import recording
 from .._info import ResidualInfo
 from .._policy import Policy
 from .._target import Target
-from .actions import MIN_BYTES, policy_of
+from .actions import MIN_BYTES, NOMINAL_ERROR, policy_of
+from .programs import Programs
 from .timing import best_time
 from .value import Plan, code_key_of
+
+# Recomputing is costed residual by residual (one lowering each) up to this many
+# distinct residuals; beyond, from one program that recomputes them all.
+_REMAT_MEASURED = 8
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -122,3 +129,147 @@ def predicted_rates(actions: tuple[str, ...], where: Target) -> dict[str, float]
         trip = where.compile(lambda x, p=policy: p.unpack(p.pack(x, info), info), [x])
         rates[action] = where.predicted_seconds(trip) / (4 * math.prod(x.shape))
     return rates
+
+
+class Option(NamedTuple):
+    """What taking one action on a group costs, per step."""
+
+    stored: float  # bytes stored
+    seconds: float  # seconds added
+    error: float  # relative round-trip error
+
+
+@dataclasses.dataclass
+class Group:
+    """Residuals one decision covers: one residual in code, every scan iteration of it."""
+
+    info: ResidualInfo
+    key: tuple
+    occurrence: int
+    nbytes: int  # per step, all iterations
+    iterations: int
+    options: dict[str, Option] = dataclasses.field(default_factory=dict)  # by action
+
+
+def group_residuals(programs: Programs) -> list[Group]:
+    """The residuals worth a decision, grouped: one group per residual in code, holding
+    every scan iteration of it (identical scan bodies share one decision)."""
+    from ..policies import Identity
+
+    with recording() as records:
+        jax.eval_shape(programs.grad_fn(Identity()), *programs.args)
+    groups: dict[tuple, Group] = {}
+    for r in records:
+        info = r.info
+        if (info.kept_alive or not jnp.issubdtype(info.dtype, jnp.floating)
+                or info.nbytes < MIN_BYTES):
+            continue
+        key = (code_key_of(info), info.index)
+        if key in groups:  # identical scan bodies: one decision
+            groups[key].nbytes += info.nbytes * r.iterations
+            groups[key].iterations += r.iterations
+        else:
+            groups[key] = Group(info, key, 0, info.nbytes * r.iterations, r.iterations)
+    seen: dict[tuple, int] = {}
+    for g in sorted(groups.values(), key=lambda g: g.info.index):
+        g.occurrence = seen.get(g.key[0], 0)
+        seen[g.key[0]] = g.occurrence + 1
+    return list(groups.values())
+
+
+class CostModel:
+    """Fills in each group's options: per action it may take, the bytes stored per step,
+    the seconds added per step and the relative round-trip error."""
+
+    def __init__(self, programs: Programs, groups: list[Group], actions: tuple[str, ...],
+                 choice_plan: Callable[..., Plan]):
+        self.programs, self.groups, self.actions = programs, groups, actions
+        self.choice_plan = choice_plan
+        self.measure()
+
+    def measure(self) -> None:
+        packing = tuple(a for a in self.actions if a not in ("keep", "remat"))
+        rates = self.rates = (measured_rates(packing) if self.programs.where.chip is None
+                               else predicted_rates(packing, self.programs.where))
+        errors = self._round_trip_errors(packing) if self.programs.concrete else {}
+        traced = {a: self._stored_by_group(a) for a in packing}
+        for g in self.groups:
+            g.options["keep"] = Option(g.nbytes, 0.0, 0.0)
+            for action in packing:
+                policy = policy_of(action).resolve(g.info)
+                if policy is None:
+                    continue
+                stored = traced[action].get(g.key)
+                if stored is None:
+                    stored = packed_bytes(policy, g.info) * g.iterations
+                error = errors.get((g.key, action), NOMINAL_ERROR.get(action, 0.0))
+                g.options[action] = Option(stored, rates[action] * g.nbytes, error)
+        if "remat" in self.actions:
+            self._remat_costs()
+
+    def _stored_by_group(self, action: str) -> dict[tuple, int]:
+        """Bytes each residual stores when `action` is taken everywhere, as the engine
+        decides it (one trace): a residual that other stored values give cheaply is
+        derived from them and stores nothing, whatever the action."""
+        plan = self.choice_plan({g.key: action for g in self.groups})
+        with recording() as records:
+            jax.eval_shape(self.programs.grad_fn(plan), *self.programs.args)
+        stored: dict[tuple, int] = {}
+        for r in records:
+            key = (code_key_of(r.info), r.info.index)
+            stored[key] = stored.get(key, 0) + r.stored_bytes * r.iterations
+        return stored
+
+    def _round_trip_errors(self, actions: tuple[str, ...]) -> dict[tuple, float]:
+        """The relative error of `unpack(pack(x))` under each action, on the example's
+        own residual values, all iterations together: summed inside the gradient's
+        program (one run; only two numbers per residual and action leave it)."""
+        sums: dict[tuple, list[float]] = {}
+        gradient = self.programs.grad_fn(RoundTrips(actions, sums))
+        jax.block_until_ready(gradient(*self.programs.args))
+        return {key: math.sqrt(err / norm) if norm > 0 else 0.0
+                for key, (err, norm) in sums.items()}
+
+    def _remat_costs(self) -> None:
+        """Seconds and bytes of recomputing each residual: XLA's cost analysis of the
+        program with it recomputed, against the program with it kept, at the measured
+        rates; and the bytes the trace stores then, which include the values the engine
+        stores to recompute from (a recomputed `tanh` may store the matmul before it)."""
+        candidates = [g for g in self.groups if policy_of("remat").resolve(g.info) is not None]
+        base, base_stored = self.base
+        rates = self.rates
+        # An unrolled loop's layers share a code key and cost the same: measured once.
+        first: dict[tuple, Group] = {}
+        for g in candidates:
+            first.setdefault(g.key[0], g)
+        if len(first) <= _REMAT_MEASURED:
+            costs = {}
+            for key, g in first.items():
+                cost, stored = self.traced(self.choice_plan({g.key: "remat"}))
+                costs[key] = (predicted_seconds_of(cost, base, rates, g.nbytes),
+                              stored - base_stored)
+            for g in candidates:
+                seconds, extra = costs[g.key[0]]
+                g.options["remat"] = Option(max(g.nbytes + extra, 0), seconds, 0.0)
+            return
+        # Many residuals: one program with all of them recomputed, shared by their bytes.
+        cost, stored = self.traced(self.choice_plan({g.key: "remat" for g in candidates}))
+        total = predicted_seconds_of(cost, base, rates, 0)
+        size = sum(g.nbytes for g in candidates)
+        for g in candidates:
+            share = g.nbytes / size
+            g.options["remat"] = Option(max(g.nbytes + (stored - base_stored) * share, 0),
+                                        total * share, 0.0)
+
+    @functools.cached_property
+    def base(self) -> tuple[dict[str, float], int]:
+        """`traced` of the plan that keeps everything: what recomputing is measured
+        against (traced only when recomputing is an action)."""
+        return self.traced(self.choice_plan({}))
+
+    def traced(self, policy: Policy) -> tuple[dict[str, float], int]:
+        """XLA's cost analysis of `jit(grad)` under `policy` (lowered, not compiled), and
+        the bytes its trace stores for the backward."""
+        with recording() as records:
+            cost = cost_of(self.programs.grad_fn(policy), self.programs.args)
+        return cost, sum(r.stored_bytes * r.iterations for r in records)
