@@ -25,7 +25,7 @@ import re
 import threading
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -189,6 +189,13 @@ def is_marker(scope_name: str) -> bool:
 
 def resolve_entry(entry: _Entry | None) -> Policy | None:
     return entry if isinstance(entry, Policy) else None
+
+
+def innermost_policy(region_entries: Sequence[_Entry | None], base: Policy | None) -> Policy | None:
+    """The one rule of which policy a residual gets: that of the innermost hooks region
+    around the code that produced it (none in a `disable_saved_tensors_hooks` region),
+    else `base` (the hooks given to `with_hooks`, else those active at its trace)."""
+    return resolve_entry(region_entries[-1]) if region_entries else base
 
 
 def _push(entry: _Entry) -> tuple[contextlib.ExitStack, tuple[_Entry, ...]]:

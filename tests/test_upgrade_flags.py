@@ -131,7 +131,7 @@ def test_a_plan_keyed_by_name_applies_with_the_flag(upgrade_flag):
 
 
 def test_scan3_is_not_yet_differentiable():
-    # The day `jax_scan3` can be differentiated, this fails: `_rewrite.py` must then
+    # The day `jax_scan3` can be differentiated, this fails: `_engine/rewrite.py` must then
     # learn to rebuild its `Scan3` bodies, and the flag joins `UPGRADE_FLAGS`.
     if not hasattr(jax.config, "jax_scan3"):
         pytest.skip(f"jax {jax.__version__} has no `jax_scan3`")

@@ -24,7 +24,7 @@ from .. import _jax_private as jp
 from .._errors import HookError
 from .._info import ResidualInfo
 from .._policy import FunctionHooks, Policy
-from .._scope import resolve_entry
+from .._scope import innermost_policy
 from .ordering import ordered
 from .residuals import OWNED_NAME, Analysis, InputKind, Residual, value_describer
 
@@ -85,8 +85,7 @@ def policy_for(residual: Residual, base: Policy | None) -> Policy | None:
     """The policy that handles `residual` (the innermost hooks region's, else `base`)."""
     if not residual.hookable:
         return None
-    entry = residual.region_policies[-1] if residual.region_policies else base
-    policy = resolve_entry(entry)
+    policy = innermost_policy(residual.region_policies, base)
     return None if policy is None else policy.resolve(residual.info)
 
 

@@ -21,7 +21,7 @@ from jax import lax
 
 from .. import _jax_private as jp
 from .._policy import Policy
-from .._scope import is_marker, policy_of_marker, resolve_entry
+from .._scope import innermost_policy, is_marker, policy_of_marker
 from .hooked_call import hooked_call
 from .residuals import KEPT, PER_ITERATION
 
@@ -78,8 +78,7 @@ def has_markers(jaxpr: jp.Jaxpr) -> bool:
 
 
 def _region_policy(scopes: Sequence[str], base: Policy | None) -> Policy | None:
-    region_policies = [policy_of_marker(s) for s in scopes if is_marker(s)]
-    return resolve_entry(region_policies[-1]) if region_policies else base
+    return innermost_policy([policy_of_marker(s) for s in scopes if is_marker(s)], base)
 
 
 def _scan(eqn: jp.JaxprEqn, invals: list[Any], base: Policy | None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -69,8 +69,19 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def check_budget(budget: Any) -> tuple[str, float] | None:
-    """`None`, `("fraction", f)` or `("bytes", n)`."""
+class Budget(NamedTuple):
+    """A memory budget: `("fraction", f)` of plain `jax.grad`'s memory, or `("bytes", n)`."""
+
+    kind: str
+    value: float
+
+    def bytes_of(self, plain: int) -> int:
+        """The budget in bytes, for a program whose plain `jax.grad` takes `plain`."""
+        return int(self.value * plain) if self.kind == "fraction" else int(self.value)
+
+
+def check_budget(budget: Any) -> Budget | None:
+    """The budget asked for, checked: `None` (least memory) or a `Budget`."""
     if budget is None:
         return None
     if isinstance(budget, bool):
@@ -78,14 +89,14 @@ def check_budget(budget: Any) -> tuple[str, float] | None:
     if isinstance(budget, int | np.integer):
         if budget <= 0:
             raise ValueError(f"`budget` in bytes must be positive, but got {budget!r}.")
-        return ("bytes", float(budget))
+        return Budget("bytes", float(budget))
     if isinstance(budget, float | np.floating):
         if not 0 < budget <= 1:
             raise ValueError(
                 f"`budget` as a float is a fraction of plain `jax.grad`'s memory, in (0, 1], "
                 f"but got {budget!r}. For bytes pass an int or a string such as '6 GiB'."
             )
-        return ("fraction", float(budget))
+        return Budget("fraction", float(budget))
     if isinstance(budget, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B)\s*", budget, flags=re.I)
         if match is None or match.group(2).lower() not in _UNITS:
@@ -96,7 +107,7 @@ def check_budget(budget: Any) -> tuple[str, float] | None:
         n = float(match.group(1)) * _UNITS[match.group(2).lower()]
         if n <= 0:
             raise ValueError(f"`budget` must be positive, but got {budget!r}.")
-        return ("bytes", n)
+        return Budget("bytes", n)
     raise TypeError(
         f"`budget` must be a fraction of plain memory (0.5), bytes (an int), a string "
         f"('6 GiB') or None, but got {type(budget).__name__}: {budget!r}."

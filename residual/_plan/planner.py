@@ -13,7 +13,7 @@ import numpy as np
 from .._format import precise_size
 from .._info import dtype_name
 from .._target import Target, resolve
-from .checks import check_actions, check_budget, check_error, check_loss
+from .checks import Budget, check_actions, check_budget, check_error, check_loss
 from .costs import (
     CostModel,
     group_residuals,
@@ -197,11 +197,11 @@ class Planner:
         return Plan(tuple(decisions), predicted_seconds=seconds,
                     plain_memory=self.plain, max_grad_error=self.max_grad_error, **extra)
 
-    def run(self, requested) -> Plan:
+    def run(self, requested: Budget | None) -> Plan:
+        """The plan for one budget (`None`: the least memory reached)."""
         target = None
         if requested is not None:
-            kind, value = requested
-            target = int(value * self.plain) if kind == "fraction" else int(value)
+            target = Budget(*requested).bytes_of(self.plain)
             if target >= self.plain:
                 return self._finish(self._choice_plan({}), target, memory=self.plain)
         error_cap = self.max_grad_error

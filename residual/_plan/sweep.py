@@ -67,8 +67,7 @@ def plan_sweep(
         )
     requested = [check_budget(b) for b in budgets]
     planner = Planner(loss, example_args, argnums, chosen, max_grad_error, where)
-    targets = [None if r is None else int(r[1] * planner.plain) if r[0] == "fraction"
-               else int(r[1]) for r in requested]
+    targets = [None if r is None else r.bytes_of(planner.plain) for r in requested]
     plans: list[Plan | None] = [None] * len(budgets)
     reasons: list[str | None] = [None] * len(budgets)
     # Smallest first: what the tight budgets compile, the loose ones may reuse.
