@@ -12,16 +12,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-POLICIES = {
-    "none": lambda rp: None,
-    "bf16": lambda rp: rp.Cast(jnp.bfloat16),
-    "int8": lambda rp: rp.Quantize(bits=8),
-    "int4": lambda rp: rp.Quantize(bits=4),
-    "int2": lambda rp: rp.Quantize(bits=2),
-    "fp8": lambda rp: rp.Quantize(format="fp8_e4m3"),
-    "remat": lambda rp: rp.Remat(),
-    "offload": lambda rp: rp.Offload(),
-}
+from .policies.named import NAMED, named
+
+# `--policy`: "none", or a built-in policy by the name plans use.
+POLICIES = ("none", *NAMED)
 
 DESCRIPTION = """\
 Saved-tensor hooks for JAX: see what the residuals (saved activations) of a function
@@ -79,7 +73,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         inspect_parser.error("give the function's arguments: one --arg per argument "
                              "(e.g. --arg f32[256,1024]), or --args MODULE:NAME")
-    from . import policies as rp
     from ._errors import TargetUnavailableError
     from ._inspect import inspect as inspect_fn
     from ._target import DoesNotFitError, resolve
@@ -88,9 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolve(args.target)
     except (ValueError, TargetUnavailableError) as e:
         inspect_parser.error(f"--target {args.target}: {e}")
+    policy = None if args.policy == "none" else named(args.policy)
     try:
-        report = inspect_fn(fn, *arguments, policy=POLICIES[args.policy](rp),
-                            compiled=not args.no_compile, target=args.target)
+        report = inspect_fn(fn, *arguments, policy=policy, compiled=not args.no_compile,
+                            target=args.target)
     except (TargetUnavailableError, DoesNotFitError) as e:
         inspect_parser.error(str(e))
     except Exception as e:  # the user's function, called with the arguments given

@@ -4,22 +4,17 @@ from __future__ import annotations
 
 import functools
 
-import jax.numpy as jnp
-
 from .._policy import Policy
 from .._target import Target, resolve
+from ..policies.named import named
 
 # The actions a plan may choose, by the name plans store (JSON stays readable and stable).
 ACTIONS = ("keep", "bf16", "int8", "int4", "remat", "offload")
-
-
 LOSSLESS = {"keep", "remat", "offload"}
-
 
 # Residuals smaller than this (per iteration) are kept: they cost little to store, and
 # they are where quantization hurts most (the built-in `Quantize` default).
 MIN_BYTES = 16384
-
 
 # Round-trip error of each lossy action when no values are at hand (arguments given as
 # `jax.ShapeDtypeStruct`): relative RMS error on Gaussian data, groups of 64.
@@ -29,16 +24,7 @@ NOMINAL_ERROR = {"bf16": 1.2e-3, "int8": 5.5e-3, "int4": 9.2e-2}
 @functools.cache
 def policy_of(action: str) -> Policy | None:
     """The policy value that carries out `action` (`None` stores the residual as it is)."""
-    from ..policies import Cast, Offload, Quantize, Remat
-
-    return {
-        "keep": lambda: None,
-        "bf16": lambda: Cast(jnp.bfloat16),
-        "int8": lambda: Quantize(bits=8),
-        "int4": lambda: Quantize(bits=4),
-        "remat": Remat,
-        "offload": Offload,
-    }[action]()
+    return None if action == "keep" else named(action)
 
 
 def offload_available(where: Target | None = None) -> bool:
