@@ -220,18 +220,7 @@ def _instructions(module: str) -> dict[str, tuple[str, str | None]]:
 
 def _frames(module: str) -> dict[int, tuple[str, ...]]:
     """Stack frame id -> the `file:line`s of its call stack, innermost first."""
-    tables: dict[str, dict[int, str]] = {}
-    section = None
-    for line in module.splitlines():
-        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-            section = line
-            tables[section] = {}
-        elif section and (m := re.match(r"^(\d+) (.*)$", line)):
-            tables[section][int(m.group(1))] = m.group(2)
-        elif section and not line.strip():
-            section = None
-        elif line.startswith("%") or line.startswith("ENTRY"):
-            break
+    tables = _stack_tables(module)
     files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
     locations = {}
     for k, v in tables.get("FileLocations", {}).items():
@@ -246,16 +235,37 @@ def _frames(module: str) -> dict[int, tuple[str, ...]]:
         parent = re.search(r"parent_frame_id=(\d+)", v)
         links[k] = (int(location.group(1)) if location else 0,
                     int(parent.group(1)) - 1 if parent else 0)
-    frames = {}
-    for k in links:
-        stack, frame = [], k
-        while frame in links and len(stack) < 64:
-            location, parent = links[frame]
-            if location in locations:
-                stack.append(locations[location])
-            frame = parent if parent != frame else 0
-        frames[k] = tuple(stack)
-    return frames
+    return {k: _stack(k, links, locations) for k in links}
+
+
+def _stack_tables(module: str) -> dict[str, dict[int, str]]:
+    """The module's stack tables (`FileNames`, `FileLocations`, `StackFrames`, ...):
+    id -> the rest of its line, read from the text before the first computation."""
+    tables: dict[str, dict[int, str]] = {}
+    section = None
+    for line in module.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = line
+            tables[section] = {}
+        elif section and (m := re.match(r"^(\d+) (.*)$", line)):
+            tables[section][int(m.group(1))] = m.group(2)
+        elif section and not line.strip():
+            section = None
+        elif line.startswith("%") or line.startswith("ENTRY"):
+            break
+    return tables
+
+
+def _stack(frame: int, links: dict[int, tuple[int, int]], locations: dict[int, str]
+           ) -> tuple[str, ...]:
+    """The `file:line`s from `frame` out to its outermost caller (64 at most)."""
+    stack = []
+    while frame in links and len(stack) < 64:
+        location, parent = links[frame]
+        if location in locations:
+            stack.append(locations[location])
+        frame = parent if parent != frame else 0
+    return tuple(stack)
 
 
 def _unpadded_bytes(shape: str) -> int:

@@ -319,20 +319,7 @@ def from_program(program: _buffers.Program, memory: Memory, target: str) -> Peak
     position = int(np.argmax(timeline))
     backward = _backward_start(program)
     live = [b for s in spaces for b in program.live_at(position, s)]
-    groups: dict[tuple, list[_buffers.Buffer]] = {}
-    for b in live:
-        kind = _kind(b, backward)
-        # Arguments and outputs are named, not made: one row per array type.
-        op = _op(b.op_name) if kind not in ("argument", "output") else ""
-        if not op and kind not in ("argument", "output"):
-            op = f"({_opcode(b.name)})"  # made by the compiler: an async copy, a constant
-        array = "tuple" if b.shape.startswith("(") else b.shape.split("{")[0]
-        key = (kind, array, op, _source(b.stack), b.space)
-        groups.setdefault(key, []).append(b)
-    rows = [PeakRow(kind, array, len(bs), sum(b.bytes for b in bs),
-                    sum(b.unpadded for b in bs), op or _names(bs), source, space)
-            for (kind, array, op, source, space), bs in groups.items()]
-    rows.sort(key=lambda r: -r.bytes)
+    rows = _grouped(live, backward)
     notes = []
     rest = memory.peak - sum(r.bytes for r in rows)
     if rest > 0:
@@ -353,6 +340,26 @@ def from_program(program: _buffers.Program, memory: Memory, target: str) -> Peak
         )
     host = sum(b.bytes for b in program.live_at(position, _buffers.HOST))
     return Peak(memory, tuple(rows), timeline, position, backward, target, host, tuple(notes))
+
+
+def _grouped(live: list[_buffers.Buffer], backward: int | None) -> list[PeakRow]:
+    """The buffers live at the peak as rows, one per kind, array type, operation, source
+    line and memory space, largest first."""
+    groups: dict[tuple, list[_buffers.Buffer]] = {}
+    for b in live:
+        kind = _kind(b, backward)
+        # Arguments and outputs are named, not made: one row per array type.
+        op = _op(b.op_name) if kind not in ("argument", "output") else ""
+        if not op and kind not in ("argument", "output"):
+            op = f"({_opcode(b.name)})"  # made by the compiler: an async copy, a constant
+        array = "tuple" if b.shape.startswith("(") else b.shape.split("{")[0]
+        key = (kind, array, op, _source(b.stack), b.space)
+        groups.setdefault(key, []).append(b)
+    rows = [PeakRow(kind, array, len(bs), sum(b.bytes for b in bs),
+                    sum(b.unpadded for b in bs), op or _names(bs), source, space)
+            for (kind, array, op, source, space), bs in groups.items()]
+    rows.sort(key=lambda r: -r.bytes)
+    return rows
 
 
 def _backward_start(program: _buffers.Program) -> int | None:
@@ -430,8 +437,6 @@ def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(width - 3, 0)] + "..."
 
 
-
-
 def unkept_decisions(peak: Peak, program: _buffers.Program, rows) -> list[str]:
     """Residuals a policy packed or offloaded whose float the compiled program still keeps
     for the backward: a decision without effect, one sentence each.
@@ -445,6 +450,33 @@ def unkept_decisions(peak: Peak, program: _buffers.Program, rows) -> list[str]:
     """
     if peak.backward is None:
         return []
+    kept_floats = _floats_kept_across_backward(peak, program)
+    flagged = [f"residual {r.label} ({_hlo_array(r.dtype, tuple(r.shape))}, an input): packed, "
+               "but the program's argument stays alive anyway" for r in rows
+               if r.how == "packed" and r.is_input and not r.section]
+    for array, group in _rows_by_array(rows).items():
+        flagged += _unkept_of_type(array, group, kept_floats.get(array, 0))
+    return flagged
+
+
+def _unkept_of_type(array: str, group: list, kept_floats: int) -> list[str]:
+    """The rows of one array type a policy acted on beyond what the program's floats
+    kept across the backward leave room for (those stored as they are come first)."""
+    acted = [r for r in group if r.how == "packed" and (r.section or not r.is_input)]
+    # A scan body's inputs are stored stacked; the function's own are arguments.
+    kept = sum(r.how == "kept" and bool(r.section or not r.is_input) for r in group)
+    flagged = []
+    for r in acted[:max(kept_floats - kept, 0)]:
+        what = ("offloaded, but a device copy is kept for the backward"
+                if r.policy.startswith("Offload") else
+                "packed, but the float is still kept for the backward")
+        flagged.append(f"residual {r.label} ({array}, {r.source or r.primitive}): {what}")
+    return flagged
+
+
+def _floats_kept_across_backward(peak: Peak, program: _buffers.Program) -> dict[str, int]:
+    """How many of the program's temporaries of each array type live across the start of
+    the backward (a transpose's own buffers aside), each slot counted once."""
     spaces = _COUNTED.get(peak.memory.platform, (_buffers.DEVICE,))
     kept_floats: dict[str, int] = {}
     slots = set()
@@ -454,23 +486,16 @@ def unkept_decisions(peak: Peak, program: _buffers.Program, rows) -> list[str]:
             slots.add((b.allocation, b.offset))
             array = b.shape.split("{")[0]
             kept_floats[array] = kept_floats.get(array, 0) + 1
+    return kept_floats
+
+
+def _rows_by_array(rows) -> dict[str, list]:
+    """Report rows by the HLO array type their stored value has (a scan's stacked)."""
     by_array: dict[str, list] = {}
     for r in rows:
         shape = (r.iterations, *r.shape) if r.iterations > 1 else tuple(r.shape)
         by_array.setdefault(_hlo_array(r.dtype, shape), []).append(r)
-    flagged = [f"residual {r.label} ({_hlo_array(r.dtype, tuple(r.shape))}, an input): packed, "
-               "but the program's argument stays alive anyway" for r in rows
-               if r.how == "packed" and r.is_input and not r.section]
-    for array, group in by_array.items():
-        acted = [r for r in group if r.how == "packed" and (r.section or not r.is_input)]
-        # A scan body's inputs are stored stacked; the function's own are arguments.
-        kept = sum(r.how == "kept" and (r.section or not r.is_input) for r in group)
-        for r in acted[:max(kept_floats.get(array, 0) - kept, 0)]:
-            what = ("offloaded, but a device copy is kept for the backward"
-                    if r.policy.startswith("Offload") else
-                    "packed, but the float is still kept for the backward")
-            flagged.append(f"residual {r.label} ({array}, {r.source or r.primitive}): {what}")
-    return flagged
+    return by_array
 
 
 _HLO_TYPES = {"bool": "pred", "bfloat16": "bf16"}

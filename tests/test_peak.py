@@ -200,3 +200,17 @@ def test_tpu_offload_that_keeps_a_device_copy_is_flagged():
     assert report.totals["peak_ratio"] >= 1.0 and flagged, report.peak.notes
     assert {n.split()[1] for n in flagged} <= offloaded
     assert f"{len(flagged)} of {len(offloaded)} decisions took no effect" in report.text()
+
+
+def test_inspect_peak_on_a_scan_counts_the_body_residuals_kept_as_they_are():
+    # A scan body's residuals are counted per array type with the packed ones: those
+    # stored as they are (here too small to pack) must count as kept, not be flagged.
+    from tests.helpers import mlp_params, scan_mlp
+
+    ws, x = mlp_params(layers=4, width=64, batch=64)
+    report = residual.inspect(scan_mlp, ws, x, policy=rp.Quantize(bits=8, min_bytes=2**20),
+                              peak=True)
+    in_body = [r for r in report.rows if r.section and r.how == "kept"]
+    assert in_body and not [r for r in report.rows if r.how == "packed"]
+    assert not [n for n in report.peak.notes if "still kept" in n], report.peak.notes
+    assert "at the peak:" in report.text()
