@@ -1,4 +1,5 @@
-"""The shared policy contract (optax's `_common_test` idea), run on every built-in policy."""
+"""The shared policy contract (optax's `_common_test` idea), run on every policy of
+`tests/policies_under_test.py`: the built-ins, plain hooks and a user-written one."""
 
 from __future__ import annotations
 
@@ -12,26 +13,7 @@ from jax import lax
 import residual
 from residual import policies as rp
 from tests.helpers import mlp_params, relative_error, scan_mlp, tree_equal, unrolled_mlp
-
-# policy, relative gradient error bound on the small MLPs (0: bit-identical).
-POLICIES = [
-    (rp.Identity(), 0.0),
-    (rp.Remat(), 1e-6),
-    (rp.Offload(), 0.0),
-    (rp.Profile(), 0.0),
-    (rp.Cast(jnp.bfloat16), 1e-2),
-    (rp.Quantize(bits=8, min_bytes=0), 1e-2),
-    (rp.Quantize(bits=4, min_bytes=0), 2e-1),
-    (rp.Quantize(bits=4, stochastic=True, min_bytes=0), 3e-1),
-    (rp.Quantize(bits=2, min_bytes=0), 1.0),
-    (rp.Quantize(format="fp8_e4m3", min_bytes=0), 1e-1),
-    (rp.Quantize(format="fp8_e5m2", min_bytes=0), 2e-1),
-    (rp.Chain(rp.Quantize(bits=8, min_bytes=0), rp.Offload()), 1e-2),
-    # Keeps the tanh outputs (the tanh MLPs save no `dot_general` output), recomputes the rest.
-    (rp.select([(rp.where(primitive="tanh"), rp.Identity())], default=rp.Remat()), 1e-6),
-    (rp.select([(rp.where(min_bytes=1024), rp.Quantize(bits=8, min_bytes=0))]), 1e-2),
-]
-IDS = [repr(p)[:30] for p, _ in POLICIES]
+from tests.policies_under_test import IDS, POLICIES
 
 
 def _check(got, expected, bound):
