@@ -344,31 +344,10 @@ def inspect(
         "stored_bytes": stored,
         "ratio": stored / residual_bytes if residual_bytes else 1.0,
     }
-    at_peak = None
-    flagged: list[str] = []
+    at_peak, flagged = None, []
     if compiled:
-        where = resolve(target)
-        plain = where.memory(backward(fn), args)
-        hooked_fn = backward(with_hooks(fn, policy=probe))
-        if peak:
-            from . import _peak
-
-            at_peak, program = _peak.read(*where.compile_with_dumps(hooked_fn, args),
-                                          where.label)
-            hooked = at_peak.memory
-            flagged = _peak.unkept_decisions(at_peak, program, rows)
-            at_peak = dataclasses.replace(at_peak, notes=(*flagged, *at_peak.notes))
-        else:
-            hooked = where.memory(hooked_fn, args)
-        totals.update(
-            target=where.label,
-            plain_peak_bytes=plain.peak,
-            hooked_peak_bytes=hooked.peak,
-            peak_ratio=hooked.peak / plain.peak if plain.peak else 1.0,
-            plain_beyond_bytes=plain.beyond,
-            hooked_beyond_bytes=hooked.beyond,
-            beyond_ratio=hooked.beyond / plain.beyond if plain.beyond else 1.0,
-        )
+        compiled_totals, at_peak, flagged = _compiled(fn, args, probe, rows, target, peak)
+        totals.update(compiled_totals)
     notes = []
     if policy is not None:
         nothing = nothing_packed(records, policy)
@@ -424,6 +403,35 @@ def nothing_packed(records: list[Record], policy: Policy) -> str | None:
             "To pack them anyway, pass `min_bytes=0`."
         )
     return text
+
+
+def _compiled(fn: Callable, args: tuple, probe: Policy, rows, target: str | None,
+              peak: bool) -> tuple[dict[str, Any], Any, list[str]]:
+    """The report's compiled totals (plain and hooked memory on the target); and when
+    `peak`, the hooked program's `Peak` and the decisions that took no effect in it."""
+    where = resolve(target)
+    plain = where.memory(backward(fn), args)
+    hooked_fn = backward(with_hooks(fn, policy=probe))
+    at_peak, flagged = None, []
+    if peak:
+        from . import _peak
+
+        at_peak, program = _peak.read(*where.compile_with_dumps(hooked_fn, args), where.label)
+        hooked = at_peak.memory
+        flagged = _peak.unkept_decisions(at_peak, program, rows)
+        at_peak = dataclasses.replace(at_peak, notes=(*flagged, *at_peak.notes))
+    else:
+        hooked = where.memory(hooked_fn, args)
+    totals = dict(
+        target=where.label,
+        plain_peak_bytes=plain.peak,
+        hooked_peak_bytes=hooked.peak,
+        peak_ratio=hooked.peak / plain.peak if plain.peak else 1.0,
+        plain_beyond_bytes=plain.beyond,
+        hooked_beyond_bytes=hooked.beyond,
+        beyond_ratio=hooked.beyond / plain.beyond if plain.beyond else 1.0,
+    )
+    return totals, at_peak, flagged
 
 
 def _rows(records: list[Record], with_policy: bool) -> tuple[tuple[Row, ...], dict[str, str]]:
