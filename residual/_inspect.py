@@ -348,26 +348,7 @@ def inspect(
     if compiled:
         compiled_totals, at_peak, flagged = _compiled(fn, args, probe, rows, target, peak)
         totals.update(compiled_totals)
-    notes = []
-    if policy is not None:
-        nothing = nothing_packed(records, policy)
-        if nothing:
-            notes.append(nothing)
-        elif compiled and totals["beyond_ratio"] > 0.95:
-            notes.append(
-                f"The compiled program is not smaller ({totals['beyond_ratio']:.2f}x of "
-                "plain's memory beyond arguments and outputs): its residuals are a small "
-                "part of its memory, or the compiler kept the floats alive next to the "
-                "packed form. Packing pays on deep or wide models with large activations; "
-                "on shallow or small ones, keep plain `jax.grad`."
-            )
-    if flagged:
-        acted = sum(r.how == "packed" for r in rows)
-        notes.append(
-            f"{len(flagged)} of {acted} decisions took no effect in the compiled program: "
-            "the float is still kept for the backward, or is an argument alive anyway "
-            "(`report.peak` lists them)."
-        )
+    notes = _notes(records, rows, policy, totals, flagged)
     label = _label(policy) if policy is not None else "plain jax.grad"
     return Report(rows, totals, label, sections, tuple(notes), at_peak)
 
@@ -403,6 +384,33 @@ def nothing_packed(records: list[Record], policy: Policy) -> str | None:
             "To pack them anyway, pass `min_bytes=0`."
         )
     return text
+
+
+def _notes(records: list[Record], rows, policy: Policy | None, totals: dict[str, Any],
+           flagged: list[str]) -> list[str]:
+    """What the report says below its table: a policy that packed nothing or saved
+    nothing compiled, and how many decisions took no effect."""
+    notes = []
+    if policy is not None:
+        nothing = nothing_packed(records, policy)
+        if nothing:
+            notes.append(nothing)
+        elif "beyond_ratio" in totals and totals["beyond_ratio"] > 0.95:
+            notes.append(
+                f"The compiled program is not smaller ({totals['beyond_ratio']:.2f}x of "
+                "plain's memory beyond arguments and outputs): its residuals are a small "
+                "part of its memory, or the compiler kept the floats alive next to the "
+                "packed form. Packing pays on deep or wide models with large activations; "
+                "on shallow or small ones, keep plain `jax.grad`."
+            )
+    if flagged:
+        acted = sum(r.how == "packed" for r in rows)
+        notes.append(
+            f"{len(flagged)} of {acted} decisions took no effect in the compiled program: "
+            "the float is still kept for the backward, or is an argument alive anyway "
+            "(`report.peak` lists them)."
+        )
+    return notes
 
 
 def _compiled(fn: Callable, args: tuple, probe: Policy, rows, target: str | None,
