@@ -151,26 +151,7 @@ def gradcheck(
         got = backward(hooked)(*args)
     jax.effects_barrier()
     grad_error = worst_argument_error(got, expected)
-    finite_differences = None
-    leaves, treedef = jax.tree.flatten(args)
-    # Finite differences move the floating-point arguments only: integers and typed
-    # PRNG keys (dropout) stay as given, so a model taking a key is checked too.
-    varied = [i for i, a in enumerate(leaves) if _is_float(a)]
-    if varied and all(leaves[i].dtype == jnp.float64 for i in varied):
-
-        def of_floats(*floats):
-            full = list(leaves)
-            for i, value in zip(varied, floats):
-                full[i] = value
-            return hooked(*jax.tree.unflatten(treedef, full))
-
-        try:
-            jax.test_util.check_grads(
-                of_floats, [leaves[i] for i in varied], order=1, modes=("rev",)
-            )
-            finite_differences = True
-        except AssertionError:
-            finite_differences = False
+    finite_differences = _finite_differences(hooked, args)
     ok = grad_error <= rtol and finite_differences is not False
     figures: tuple[Memory | None, Memory | None, str | None] = (None, None, None)
     if memory or target is not None:
@@ -182,6 +163,30 @@ def gradcheck(
     if raise_on_failure and not ok:
         raise AssertionError(repr(result))
     return result
+
+
+def _finite_differences(hooked: Callable, args: tuple) -> bool | None:
+    """Whether `hooked`'s reverse-mode gradient agrees with finite differences
+    (`jax.test_util.check_grads`), or `None` unless every float argument is float64."""
+    leaves, treedef = jax.tree.flatten(args)
+    # Finite differences move the floating-point arguments only: integers and typed
+    # PRNG keys (dropout) stay as given, so a model taking a key is checked too.
+    varied = [i for i, a in enumerate(leaves) if _is_float(a)]
+    if not varied or not all(leaves[i].dtype == jnp.float64 for i in varied):
+        return None
+
+    def of_floats(*floats):
+        full = list(leaves)
+        for i, value in zip(varied, floats):
+            full[i] = value
+        return hooked(*jax.tree.unflatten(treedef, full))
+
+    try:
+        jax.test_util.check_grads(of_floats, [leaves[i] for i in varied], order=1,
+                                  modes=("rev",))
+    except AssertionError:
+        return False
+    return True
 
 
 def _is_float(leaf) -> bool:
