@@ -116,13 +116,8 @@ class Report:
                 section = row.section
                 body.append(f"{section}: {self.sections.get(section, '')}")
             body.append(tuple(cell(row) for _, cell, _ in columns))
-        cells = [header, *(line for line in body if isinstance(line, tuple))]
-        widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
-        for title in ("policy", "name", "scope", "source"):
-            excess = sum(widths) + 2 * (len(widths) - 1) - (width or sum(widths))
-            if title in header and excess > 0:
-                i = header.index(title)
-                widths[i] -= min(excess, widths[i] - (10 if title != "source" else 0))
+        widths = _column_widths(header, [line for line in body if isinstance(line, tuple)],
+                                width)
         right = {"x", "size", "stored"}
 
         def render(line: tuple[str, ...]) -> str:
@@ -351,6 +346,20 @@ def inspect(
     notes = _notes(records, rows, policy, totals, flagged)
     label = _label(policy) if policy is not None else "plain jax.grad"
     return Report(rows, totals, label, sections, tuple(notes), at_peak)
+
+
+def _column_widths(header: tuple[str, ...], lines: list[tuple[str, ...]],
+                   width: int | None) -> list[int]:
+    """Each column as wide as its widest cell; beyond `width`, the policy, name, scope
+    and source columns give up what they must, in that order (to 10, the source to 0)."""
+    cells = [header, *lines]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
+    for title in ("policy", "name", "scope", "source"):
+        excess = sum(widths) + 2 * (len(widths) - 1) - (width or sum(widths))
+        if title in header and excess > 0:
+            i = header.index(title)
+            widths[i] -= min(excess, widths[i] - (10 if title != "source" else 0))
+    return widths
 
 
 def nothing_packed(records: list[Record], policy: Policy) -> str | None:

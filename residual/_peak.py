@@ -123,13 +123,7 @@ class Peak:
         cells = [header] + [(r.kind, r.array + (f" S({r.space})" if r.space else ""),
                              str(r.count), size(r.bytes) + _padded(r), _short_op(r.op),
                              r.source or "") for r in self.rows[:rows]]
-        widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
-        if width is not None:
-            excess = sum(widths) + 2 * (len(widths) - 1) - width
-            for i in (4, 5):
-                cut = min(max(excess, 0), widths[i] - 12)
-                widths[i] -= max(cut, 0)
-                excess -= max(cut, 0)
+        widths = _column_widths(cells, width)
         for n, c in enumerate(cells):
             parts = [_cut(v, w).rjust(w) if i in (2, 3) else _cut(v, w).ljust(w)
                      for i, (v, w) in enumerate(zip(c, widths))]
@@ -427,6 +421,19 @@ def _names(buffers: list[_buffers.Buffer]) -> str:
 
 def _short_op(op: str) -> str:
     return op if len(op) <= 40 else "..." + op[-37:]
+
+
+def _column_widths(cells: list[tuple[str, ...]], width: int | None) -> list[int]:
+    """Each column as wide as its widest cell; beyond `width`, the op and source columns
+    give up what they must (to 12 characters each)."""
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cells[0]))]
+    if width is not None:
+        excess = sum(widths) + 2 * (len(widths) - 1) - width
+        for i in (4, 5):
+            cut = min(max(excess, 0), widths[i] - 12)
+            widths[i] -= max(cut, 0)
+            excess -= max(cut, 0)
+    return widths
 
 
 def _padded(r: PeakRow) -> str:

@@ -261,6 +261,15 @@ class CostModel:
             g.options["remat"] = Option(max(g.nbytes + (stored - base_stored) * share, 0),
                                         total * share, 0.0)
 
+    def recompute_scans_plan(self, choice: dict[tuple, str]) -> Plan:
+        """The plan that recomputes every scan body, its time from XLA's cost analysis
+        of the whole program: recomputing the values the plan does not list costs more
+        than the residuals' own shares."""
+        plan = self.choice_plan(choice, recompute_scans=True)
+        cost, _ = self.traced(plan)
+        seconds = predicted_seconds_of(cost, self.base[0], self.rates, 0)
+        return dataclasses.replace(plan, predicted_seconds=max(plan.predicted_seconds, seconds))
+
     @functools.cached_property
     def base(self) -> tuple[dict[str, float], int]:
         """`traced` of the plan that keeps everything: what recomputing is measured

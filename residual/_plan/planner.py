@@ -18,7 +18,6 @@ from .costs import (
     CostModel,
     group_residuals,
     plan_error,
-    predicted_seconds_of,
 )
 from .programs import Programs
 from .search import cheapest_choice
@@ -290,12 +289,7 @@ class Planner:
         if self._uniform is not None:
             return
         scales: list[float] = []
-        plans = [self._choice_plan({g.key: a for g in self.groups if a in g.options})
-                 for a in self.actions if a != "keep"]
-        in_scan = {g.key: "remat" for g in self.groups if g.info.in_scan and "remat" in g.options}
-        if in_scan:  # what `Remat` on every scan body does
-            plans.append(self._recompute_scans(in_scan))
-        self._uniform = plans
+        self._uniform = plans = self._one_action_plans()
         for plan in sorted(plans, key=plan_error):
             predicted = plan_error(plan)
             if (plan in self.programs.compiled_memory
@@ -308,20 +302,20 @@ class Planner:
         if scales:
             self.error_scale = max(scales)
 
+    def _one_action_plans(self) -> list[Plan]:
+        """Each action taken wherever it is offered, and `Remat` on every scan body."""
+        plans = [self._choice_plan({g.key: a for g in self.groups if a in g.options})
+                 for a in self.actions if a != "keep"]
+        in_scan = {g.key: "remat" for g in self.groups if g.info.in_scan and "remat" in g.options}
+        if in_scan:
+            plans.append(self.costs.recompute_scans_plan(in_scan))
+        return plans
+
     def _error(self, plan: Plan) -> float:
         """A plan's gradient error: measured if it was, else predicted and calibrated."""
         if plan in self.programs.grad_errors:
             return self.programs.grad_errors[plan]
         return self.error_scale * plan_error(plan)
-
-    def _recompute_scans(self, choice: dict[tuple, str]) -> Plan:
-        """The plan that recomputes every scan body, its time from XLA's cost analysis
-        of the whole program: recomputing the values the plan does not list costs more
-        than the residuals' own shares."""
-        plan = self._choice_plan(choice, recompute_scans=True)
-        cost, _ = self.costs.traced(plan)
-        seconds = predicted_seconds_of(cost, self.costs.base[0], self.costs.rates, 0)
-        return dataclasses.replace(plan, predicted_seconds=max(plan.predicted_seconds, seconds))
 
     def _within(self, error_cap: float) -> list[Plan]:
         """The plans compiled so far whose gradient error is within `error_cap`."""
