@@ -10,4 +10,4 @@ from .profile import ProfileLog as ProfileLog
 from .quantize import Quantize as Quantize
 from .remat import Remat as Remat
 from .select import select as select
-from .select import where as where
+from .where import where as where
