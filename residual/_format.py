@@ -1,4 +1,4 @@
-"""How reports and messages write byte sizes and arrays: one way, everywhere."""
+"""How reports write byte sizes and arrays, each in one way."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """What the tools run a function by, and how they compare gradients.
 
-`inspect`, `gradcheck` and the planner all differentiate a user's function the same way
-(its forward and backward pass, with a cotangent of ones) and compare gradients by
-relative error. Two readings of that error serve two questions: `gradcheck` asks
-whether any argument's gradient is off (`worst_argument_error`), the planner how far the
-whole gradient moves (`whole_gradient_error`, the figure its budgets of error bound).
+`inspect` and `gradcheck` run a user's function forward and backward with a cotangent
+of ones (`backward`); `gradcheck` and the planner compare gradients by relative error,
+in two readings for two questions: whether any argument's gradient is off
+(`worst_argument_error`, gradcheck's), and how far the whole gradient moves
+(`whole_gradient_error`, the figure the planner's bound on error is about).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Whose code a source file is: the user's, this library's or another installed one's.
 
-Reports and error messages point at the user's code, so every frame walk skips the
-files this module calls the library's.
+Reports point at the user's code: their frame walks (a residual's provenance, its
+source line in `inspect` and `peak`) skip the files this module calls the library's.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The package's layers, enforced: each module imports only from its own layer or those
-below it, and no private name (`_x`) is imported from another module.
+listed before it, and no private name (`_x`) is imported from another module.
 
     foundation  _jax_private, _errors, _info, _policy, _scope, _source, _format,
                 _measure, _memory, _target
@@ -81,8 +81,10 @@ def test_imports_run_down_the_layers(path, parts):
     mine = _layer(parts)
     wrong = []
     for line, target, names in _imports(path, parts):
-        # `from . import policies` names a module: its layer is the module's own.
-        targets = [(*target, n) for n in names if _is_module((*target, n))] or [target]
+        # `from . import policies` names a module: its layer is the module's own; any
+        # other name is the package's (`from .. import with_hooks`: `__init__`).
+        targets = [(*target, n) if _is_module((*target, n)) else target
+                   for n in names] or [target]
         for t in targets:
             theirs = _layer(t)
             if ORDER.index(theirs) > ORDER.index(mine):

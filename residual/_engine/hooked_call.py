@@ -2,9 +2,9 @@
 
 `hooked_call(fun, inputs, ...)` computes `fun(*inputs)` so that, when it is
 differentiated in reverse mode, the forward runs `jax.vjp(fun)` (traced once to a
-jaxpr by `trace_residuals`), decides each residual's fate (`_plans.decide`), and
+jaxpr by `trace_residuals`), decides each residual's fate (`decisions.decide`), and
 stores what the decisions store; the backward runs JAX's backward jaxpr, restoring
-each residual where it is first needed. See `residual/README.md` for the data flow.
+each residual where it is first needed. See `_engine/README.md` for the data flow.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def hooked_call(
             fun, xs, input_kinds, scope_prefix=scope_prefix, in_scan=in_scan
         )
         # Values that are themselves being differentiated mean a higher-order
-        # derivative: see `_plans.RoundTrip`.
+        # derivative: see `decisions.RoundTrip`.
         decisions, recompute = decide(
             analysis, input_kinds, base, higher_order=jp.differentiation_mode(xs) is not None,
             scope_prefix=scope_prefix, in_scan=in_scan,
@@ -91,7 +91,7 @@ def _run_forward(analysis: Analysis, decisions: Sequence[Decision],
     computed (several layers later in an unrolled model), keeping the floats of
     all those layers alive at once. Here the forward is run equation by equation and
     the rest of it reads each packed value after its packed arrays (see
-    `_ordering.ordered`), so the float can be freed after its last forward use.
+    `ordering.ordered`), so the float can be freed after its last forward use.
     Values stored for recomputation are stored as soon as they are computed too.
     A scan body packs after its forward: the loop boundary already orders it.
     """
@@ -155,8 +155,8 @@ def _run_backward(restores: Restores, cts: list, *, ordered: bool) -> list:
     Unless `ordered`, there is no such tie (`None`): restored where first used.
     A value the backward computes from constants alone (the zeros that a `select`'s
     transpose fills in) is no tie: XLA folds the conditional's predicate and removes
-    it, and with it the order (a ReLU mask was then recomputed in the backward from
-    the float it was computed from, keeping that float alive instead).
+    it, and with it the order (a ReLU mask would be recomputed in the backward from
+    the float it is computed from, keeping that float alive instead).
     """
     backward = restores.handoff.backward
     n_res = len(restores.handoff.decisions)

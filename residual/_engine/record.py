@@ -28,7 +28,7 @@ class Record:
             recomputed; `info.nbytes` when stored as it is).
         iterations: how many times it is stored: the product of the lengths of the
             scans around it (1 outside scans).
-        plan: how the hooked call keeps it (a `_plans.Decision`); `how` names it.
+        plan: how the hooked call keeps it (a `decisions.Decision`); `how` names it.
         call: the traced call that stored it, shared by every record of that call (a
             scan body, a nested `with_hooks`): residual indices count within a call.
     """

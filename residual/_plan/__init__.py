@@ -4,8 +4,6 @@ so that `jit(grad)` fits a memory budget, checked on the compiled program.
 See README.md in this folder for how a plan is made and where to make a change.
 """
 
-from .actions import ACTIONS as ACTIONS
-from .actions import offload_available as offload_available
 from .planner import plan as plan
 from .sweep import PlanSweep as PlanSweep
 from .sweep import plan_sweep as plan_sweep

@@ -28,9 +28,6 @@ from .value import Plan, PlanDecision
 # group at a time).
 _ROUNDS = 4
 
-
-
-
 # Plans that fit, of least predicted time, whose steps are run and timed before one is
 # returned (with every one-action plan that fits): the predicted times rank them less
 # surely than the gaps between them.

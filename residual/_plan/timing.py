@@ -13,10 +13,7 @@ from .value import Plan
 # Seconds of steps spent timing finalists, at most (but at least 2 samples of each),
 # and the least time one sample takes (short steps are run several times a sample).
 TIMING_SECONDS = 4.0
-
-
 SAMPLE_SECONDS = 0.02
-
 
 # Finalists within this fraction of the fastest count as fast as it (timing noise): of
 # those, the one of least gradient error, then least memory, is returned.
