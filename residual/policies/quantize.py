@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._engine.ordering import in_device_memory
+from .._engine.ordering import in_device_memory, several_devices
 from .._info import ResidualInfo
 from .._policy import Policy, check_bool, check_int
 from ._defaults import worth_packing
@@ -77,10 +77,11 @@ class Quantize(Policy):
       group (255). `grid="uniform"` keeps every group on the evenly spaced grid;
       8-bit codes always use it.
     - `stochastic=True` (integer formats) rounds up with probability equal to the
-      fractional part, so the dequantized value is unbiased. Its random key comes
-      from `seed`, the residual's index and a cheap hash of the residual's bits: the
-      same inputs give the same draws (reproducible), new activations give new draws
-      (it varies from step to step), and nobody threads keys through the model.
+      fractional part, so the dequantized value is unbiased. Each element's draw is a
+      hash of its own bits, its position, `seed` and the residual's index: the same
+      inputs give the same draws (reproducible), new activations give new draws (it
+      varies from step to step), nobody threads keys through the model, and no shard
+      of a sharded residual waits for another's.
 
     Built-in defaults: only floating-point residuals of at least `min_bytes` that are
     not kept alive anyway (`ResidualInfo.kept_alive`: weights, loop-invariant
@@ -211,20 +212,14 @@ class Quantize(Policy):
             return x
         layout = _layout(x.shape, self.group_size)
         groups = layout.split(x.astype(jnp.float32))
-        # Plain max and min read the data directly: no float temporary the size of
-        # the residual. An Inf shows in them, a NaN only mostly: XLA's CPU reductions
-        # may skip one, depending on where it lies, so the clean branch checks again.
-        hi = jnp.max(groups, axis=layout.reduced, keepdims=True, initial=-jnp.inf)
-        lo = jnp.min(groups, axis=layout.reduced, keepdims=True, initial=jnp.inf)
-        clean = jnp.all(jnp.isfinite(hi) & jnp.isfinite(lo))
-        # The key, not the noise, goes into the `cond`: an operand the size of the
-        # residual would be materialized whole. The `cond` is the only other reader
-        # of `groups`: more readers outside it let XLA schedule several residuals'
-        # reductions early and keep their floats alive together (in scanned layers).
-        key = _key(self.seed, info.index, x) if self.stochastic else None
-        fast = functools.partial(self._pack_clean, key=key, axis=layout.reduced)
-        slow = functools.partial(self._pack_any, key=key, axis=layout.reduced)
-        packed = _cond(clean, fast, slow, groups, lo, hi)
+        salt = _salt(self.seed, info.index) if self.stochastic else None
+        if several_devices([x]):
+            # Each group's range and NaN check are its own: a predicate over the whole
+            # residual would be an all-reduce across the devices, in every step.
+            packed = self._codes(groups, *_finite_ranges(groups, layout.reduced), salt,
+                                 layout.reduced)
+        else:
+            packed = self._pack_one_device(groups, salt, layout.reduced)
         # Codes keep the residual's layout (`[..., last]`, or `[..., last * bits / 8]`
         # bytes, the last axis padded to whole groups when it must be) and scales
         # its axes with the grouped one divided by the group size: under `jit` with
@@ -236,29 +231,45 @@ class Quantize(Policy):
             codes = _pack_codes(codes, self.bits, layout.block)
         return {"codes": codes, **{k: v.squeeze(layout.reduced) for k, v in packed.items()}}
 
+    def _pack_one_device(self, groups, salt, axis):
+        """Codes and statistics, with one check of the whole residual for NaN and Inf
+        (cheaper than per group, and on one device no other device waits for it)."""
+        # Plain max and min read the data directly: no float temporary the size of
+        # the residual. An Inf shows in them, a NaN only mostly: XLA's CPU reductions
+        # may skip one, depending on where it lies, so the clean branch checks again.
+        hi = jnp.max(groups, axis=axis, keepdims=True, initial=-jnp.inf)
+        lo = jnp.min(groups, axis=axis, keepdims=True, initial=jnp.inf)
+        clean = jnp.all(jnp.isfinite(hi) & jnp.isfinite(lo))
+        # The `cond` is the only other reader of `groups`: more readers outside it
+        # let XLA schedule several residuals' reductions early and keep their floats
+        # alive together (in scanned layers).
+        fast = functools.partial(self._pack_clean, salt=salt, axis=axis)
+        slow = functools.partial(self._pack_any, salt=salt, axis=axis)
+        return _cond(clean, fast, slow, groups, lo, hi)
+
     # XLA allocates the buffers of both branches for the conditional as a whole: a
     # float the size of the residual computed in the NaN-safe branch would count in
     # every call, clean data included. Both branches compute their codes into the
     # conditional's output, and their other values are per-group statistics.
 
-    def _pack_clean(self, groups, lo, hi, key, axis):
+    def _pack_clean(self, groups, lo, hi, salt, axis):
         """No NaN or Inf seen by max and min: every code is a value, unless a sum,
         which no NaN escapes whatever the order of its additions, shows one after all."""
         exact = functools.partial(_finite_range, axis=axis)
         check = jnp.isfinite(jnp.sum(groups))  # a finite sum that overflows costs time only
         lo, hi, broken = _cond(check, _as_they_are, exact, groups, lo, hi)
-        return self._codes(groups, lo, hi, broken, key, axis)
+        return self._codes(groups, lo, hi, broken, salt, axis)
 
-    def _pack_any(self, groups, lo, hi, key, axis):
+    def _pack_any(self, groups, lo, hi, salt, axis):
         """Some values are NaN or Inf: scales from the finite ones, code 0 for the rest."""
-        return self._codes(groups, *_finite_range(groups, lo, hi, axis), key, axis)
+        return self._codes(groups, *_finite_range(groups, lo, hi, axis), salt, axis)
 
     @property
     def _square_grid(self) -> bool:
         """Whether some groups may go on the square grid (a static choice)."""
         return self.format == "int" and self.bits < 8 and self.grid == "auto"
 
-    def _codes(self, groups, lo, hi, broken, key, axis) -> dict[str, jnp.ndarray]:
+    def _codes(self, groups, lo, hi, broken, salt, axis) -> dict[str, jnp.ndarray]:
         """Codes and per-group scales (and zero points) for groups spanning `[lo, hi]`.
 
         `lo` and `hi` from the finite values, both with the group axis kept (size 1),
@@ -291,8 +302,8 @@ class Quantize(Policy):
         position = ratio + zero  # in [0, 2^b - 1]
         # One random byte per element: 8 bits of noise keep the rounding unbiased to
         # within 1/512 of a step, at a quarter of the temporary of float noise.
-        noise = None if key is None else (
-            _random_bytes(key, position.shape).astype(jnp.float32) + 0.5) / 256
+        noise = None if salt is None else (
+            _random_bytes(groups, salt).astype(jnp.float32) + 0.5) / 256
         rounded = jnp.round(position) if noise is None else jnp.floor(position + noise)
         if self._square_grid:
             rounded = jnp.where(square, _square_root_code(ratio, noise), rounded)
@@ -372,6 +383,36 @@ def _finite_range(groups, lo, hi, axis):
     lo = jnp.minimum(finite_or_zero(lo), 0.0)
     hi = jnp.maximum(finite_or_zero(hi), 0.0)
     return tuple(jnp.expand_dims(v, axis) for v in (lo, hi, ~jnp.isfinite(bad)))
+
+
+def _finite_ranges(groups, axis):
+    """Each group's range over its finite values (`lo`, `hi`, the group axis kept),
+    and which groups hold a NaN or Inf (`broken`); `lo = hi = 0` for a group with no
+    finite value.
+
+    One reduction whose reducer reads `groups` as they are and skips non-finite values
+    itself: XLA's CPU backend runs plain min and max reductions in kernels that take
+    no fused producer, so `where(isfinite(groups), groups, inf)` before them would be
+    a float temporary the size of the residual; and a NaN can escape them.
+    """
+
+    def finite_or(v, other):
+        return jnp.where(jnp.isfinite(v), v, other)
+
+    def reducer(a, b):
+        (a_lo, a_hi, a_bad), (b_lo, b_hi, b_bad) = a, b
+        # `bad` stays non-finite once any value was.
+        bad = jnp.where(jnp.isfinite(a_bad) & jnp.isfinite(b_bad), 0.0, jnp.nan)
+        return (jnp.minimum(finite_or(a_lo, jnp.inf), finite_or(b_lo, jnp.inf)),
+                jnp.maximum(finite_or(a_hi, -jnp.inf), finite_or(b_hi, -jnp.inf)), bad)
+
+    inits = tuple(jnp.array(v, groups.dtype) for v in (jnp.inf, -jnp.inf, 0.0))
+    lo, hi, bad = lax.reduce((groups,) * 3, inits, reducer, (axis,))
+    # XLA may leave the identities out: a group of one element comes back as that
+    # element, reducer unapplied. A group without a finite value has lo > hi.
+    kept = jnp.isfinite(lo) & jnp.isfinite(hi)
+    lo, hi = jnp.where(kept, lo, 0.0), jnp.where(kept, hi, 0.0)
+    return tuple(jnp.expand_dims(v, axis) for v in (lo, hi, ~jnp.isfinite(bad) | ~kept))
 
 
 def _is_row_statistic(shape: tuple[int, ...]) -> bool:
@@ -610,21 +651,23 @@ def _block(last: int, block: int, per_byte: int) -> int:
     return block if block % per_byte == 0 and last % block == 0 else last
 
 
-def _random_bytes(key: jax.Array, shape: tuple[int, ...]) -> jnp.ndarray:
-    """Uniform random bytes, four from each 32-bit word the generator makes."""
-    n = math.prod(shape)
-    words = jax.random.bits(key, (-(-n // 4),), jnp.uint32)
-    return lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)[:n].reshape(shape)
+def _salt(seed: int, index: int) -> int:
+    """What tells apart the draws of two residuals, or of two seeds."""
+    return (seed * 0x9E3779B1 + index * 0x85EBCA77 + 0x165667B1) % 2**32
 
 
-def _key(seed: int, index: int, x: jnp.ndarray) -> jax.Array:
-    """A key that is the same for the same data and differs for new activations."""
-    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    digest = jnp.sum(bits * _odd_weights(bits.shape), dtype=jnp.uint32)
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), index), digest)
+def _random_bytes(values: jnp.ndarray, salt: int) -> jnp.ndarray:
+    """One uniform random byte per element: a hash of the element's bits and position.
 
-
-def _odd_weights(shape: tuple[int, ...]) -> jnp.ndarray:
-    # Position-dependent odd multipliers, so permuted data hashes differently.
-    n = math.prod(shape)
-    return (jnp.arange(n, dtype=jnp.uint32) * jnp.uint32(2654435761) | jnp.uint32(1)).reshape(shape)
+    Elementwise, so it fuses into the codes' computation and each shard hashes its
+    own elements (a key from a hash of the whole residual would be a reduction over
+    every shard). The mix is Wellons' `lowbias32`, whose output bits are near
+    independent of each input bit.
+    """
+    position = lax.iota(jnp.uint32, values.size).reshape(values.shape)
+    h = lax.bitcast_convert_type(values, jnp.uint32) + position * jnp.uint32(0x27D4EB2F)
+    h = h ^ jnp.uint32(salt)
+    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        h = (h ^ (h >> jnp.uint32(shift))) * jnp.uint32(multiplier)
+    h = h ^ (h >> jnp.uint32(16))
+    return (h >> jnp.uint32(24)).astype(jnp.uint8)
