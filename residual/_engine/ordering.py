@@ -61,6 +61,11 @@ def ordered(
         return take(values)
     chosen = [values[i] for i in movable]
     if several_devices(chosen + [tie]):
+        if view is not None:
+            # A view of an input (a layer's slice of stacked weights) taken after a
+            # barrier is a new value: XLA gathers it again for the backward where it
+            # shares the forward's gathered copy (FSDP: one more all-gather a layer).
+            return take(values)
         # XLA's SPMD partitioner replicates what flows through a conditional, which
         # would all-gather sharded activations: with several devices, a barrier
         # (kept by the GPU pipeline) orders the work after `tie` instead.
