@@ -60,7 +60,7 @@ def ordered(
         # compiled anew on every call.
         return take(values)
     chosen = [values[i] for i in movable]
-    if several_devices(chosen + [tie]):
+    if several_devices([*chosen, tie]):
         if view is not None:
             # A view of an input (a layer's slice of stacked weights) taken after a
             # barrier is a new value: XLA gathers it again for the backward where it
