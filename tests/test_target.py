@@ -396,6 +396,14 @@ def test_fsdp_shares_the_forwards_gathered_weights_on_a_tpu_slice(policy):
         "all-gather": got["all-gather"]}, (got, plain)
 
 
+@needs_tpu
+def test_unpinned_offload_compiles_for_a_slice_from_a_one_device_host():
+    # Several devices are the mesh's, not this process's: a one-device sharding would
+    # name this host's CPU inside a program for the TPU chips.
+    got, plain = _slice_step(rp.Offload(memory_kind="unpinned_host"), "data")
+    assert got == plain
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_gradcheck_memory_on_a_target(target):
     ws, x = mlp_params(layers=4, width=256, batch=512)

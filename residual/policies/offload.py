@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
+from .._engine.ordering import several_devices
 from .._info import ResidualInfo
 from .._policy import Policy
 from .._scope import saved_tensors_hooks
@@ -79,7 +80,7 @@ class Offload(Policy):
             return jax.memory.Space.Host
         if _concrete(x):  # outside `jit`: the array knows its own sharding
             return x.sharding.with_memory_kind(self.memory_kind)
-        if jax.device_count() == 1:
+        if not several_devices([x]):
             return SingleDeviceSharding(jax.devices()[0], memory_kind=self.memory_kind)
         # Traced with several devices, JAX has no transfer to unpinned memory that
         # keeps each shard where it is (`jax.memory.Space` names pinned host memory
