@@ -8,7 +8,6 @@ The TPU tests need libtpu (`residual[tpu]`), the GPU ones JAX's CUDA plugin and 
 from __future__ import annotations
 
 import importlib.util
-import re
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,7 @@ from residual import _target
 from residual import policies as rp
 from residual._measure import backward
 
-from .helpers import mlp_params, scan_mlp, unrolled_mlp
+from .helpers import collectives, mlp_params, scan_mlp, unrolled_mlp
 from .policies_under_test import IDS as POLICY_IDS
 from .policies_under_test import POLICIES
 
@@ -349,15 +348,9 @@ def test_memory_is_per_device_on_a_slice(target):
             batch.shape, batch.dtype, sharding=NamedSharding(big, P("data"))), target=target)
 
 
-def _collectives(compiled) -> dict[str, int]:
-    text = compiled.as_text()
-    return {op: len(re.findall(rf"= [^=]*\b{op}(-start)?\(", text)) for op in (
-        "all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")}
-
-
 def _slice_step(policy, layout: str) -> tuple[dict[str, int], dict[str, int]]:
     """Collectives of a 3-layer MLP's sharded `jit(grad)` compiled for 4 TPU chips from
-    this 1-device host: (under `policy`, plain), all-gathers apart."""
+    this 1-device host: (under `policy`, plain)."""
     mesh = Mesh(np.array(_target.resolve("v5e:2x2").devices).reshape(2, 2), ("data", "model"))
     every = ("data", "model")
     w_spec, x_spec = {"data": (P(), P(every)), "fsdp": (P(None, every), P(every)),
@@ -365,10 +358,10 @@ def _slice_step(policy, layout: str) -> tuple[dict[str, int], dict[str, int]]:
     ws = jax.ShapeDtypeStruct((3, 512, 512), jnp.float32, sharding=NamedSharding(mesh, w_spec))
     x = jax.ShapeDtypeStruct((1024, 512), jnp.float32, sharding=NamedSharding(mesh, x_spec))
 
-    def collectives(f):
-        return _collectives(jax.jit(jax.grad(f)).lower(ws, x).compile())
+    def counts(f):
+        return collectives(jax.jit(jax.grad(f)).lower(ws, x).compile().as_text())
 
-    return collectives(residual.with_hooks(unrolled_mlp, policy=policy)), collectives(unrolled_mlp)
+    return counts(residual.with_hooks(unrolled_mlp, policy=policy)), counts(unrolled_mlp)
 
 
 @needs_tpu

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import residual
 from residual import policies as rp
+
+from ..helpers import collectives
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
@@ -41,11 +41,6 @@ def _setup(layout, batch=64):
     params = [jax.device_put(w, NamedSharding(mesh, w_spec)) for w in params]
     x = jax.device_put(x, NamedSharding(mesh, x_spec))
     return mesh, params, x
-
-
-def _collectives(text: str) -> dict[str, int]:
-    return {op: len(re.findall(rf"= [^=]*\b{op}(-start)?\(", text))
-            for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute")}
 
 
 SMALL_BATCH_GAP = pytest.mark.xfail(
@@ -86,21 +81,21 @@ def _relative(a, b) -> float:
 @pytest.mark.parametrize(("layout", "batch"), [("data", 64), ("tensor", 64), ("tensor", 1024)])
 @pytest.mark.parametrize("policy", [rp.Remat()], ids=repr)
 def test_no_all_gather_of_activations_with_remat(layout, batch, policy):
-    _check_collectives(layout, batch, policy)
+    _checkcollectives(layout, batch, policy)
 
 
 @pytest.mark.parametrize("layout_batch", LAYOUTS, ids=lambda lb: f"{lb[0]}-batch{lb[1]}")
 @pytest.mark.parametrize("policy", PACKING, ids=repr)
 def test_no_all_gather_of_activations(layout_batch, policy):
-    _check_collectives(*layout_batch, policy)
+    _checkcollectives(*layout_batch, policy)
 
 
-def _check_collectives(layout, batch, policy):
+def _checkcollectives(layout, batch, policy):
     _, params, x = _setup(layout, batch)
     text = jax.jit(jax.grad(residual.with_hooks(mlp, policy=policy))).lower(
         params, x).compile().as_text()
     plain = jax.jit(jax.grad(mlp)).lower(params, x).compile().as_text()
-    got, expected = _collectives(text), _collectives(plain)
+    got, expected = collectives(text), collectives(plain)
     assert got["all-gather"] <= expected["all-gather"], (got, expected)
     # Each group's NaN check is its own: no all-reduce of a predicate over the shards.
     assert got["all-reduce"] == expected["all-reduce"], (got, expected)
@@ -150,7 +145,7 @@ def test_explicit_axes_pack_the_resharded_activation_without_new_gathers(policy)
         plain = jax.jit(jax.grad(explicit_mlp)).lower(params, x).compile()
         hooked = jax.jit(jax.grad(residual.with_hooks(explicit_mlp, policy=policy))).lower(
             params, x).compile()
-    got, expected = _collectives(hooked.as_text()), _collectives(plain.as_text())
+    got, expected = collectives(hooked.as_text()), collectives(plain.as_text())
     assert got["all-gather"] <= expected["all-gather"], (got, expected)
     for g, e in zip(hooked.output_shardings, plain.output_shardings):
         assert g.spec == e.spec
@@ -186,8 +181,8 @@ def test_tensor_parallel_inside_shard_map(policy):
     for g, e in zip(got, expected):
         assert g.sharding.is_equivalent_to(e.sharding, g.ndim)
         assert _relative(g, e) < (1e-5 if policy.lossless else 5e-2)
-    counts = _collectives(hooked.lower(params, x).compile().as_text())
-    assert counts == _collectives(plain.lower(params, x).compile().as_text())
+    counts = collectives(hooked.lower(params, x).compile().as_text())
+    assert counts == collectives(plain.lower(params, x).compile().as_text())
 
 
 @pytest.mark.parametrize("pin_memory", [False, True], ids=["default", "pinned"])
@@ -204,7 +199,7 @@ def test_save_on_cpu_with_several_devices(pin_memory):
                 assert _relative(g, e) < 1e-5
         text = jax.jit(hooked).lower(params, x).compile().as_text()
     plain = jax.jit(jax.grad(mlp)).lower(params, x).compile().as_text()
-    assert _collectives(text)["all-gather"] <= _collectives(plain)["all-gather"]
+    assert collectives(text)["all-gather"] <= collectives(plain)["all-gather"]
 
 
 def test_plan_of_sharded_arguments_budgets_per_device_memory():
