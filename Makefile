@@ -28,7 +28,7 @@ PYTEST_WORKERS ?= auto
 export ALLOW_MULTIPLE_LIBTPU_LOAD := 1
 export JAX_SKIP_CUDA_CONSTRAINTS_CHECK := 1
 
-.PHONY: demo test suite test-jax suite-upgrade-flags lint docs bench clean
+.PHONY: demo test suite test-jax suite-upgrade-flags lint docs bench bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -106,6 +106,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/quality.py
 	$(PY) benchmarks/speed.py
+
+# On a machine with a GPU: memory, step time, offload bandwidth and a profile (docs/gpu.md).
+bench-gpu: $(STAMP)
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) $(JAX_VENVS) site .pytest_cache

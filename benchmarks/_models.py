@@ -79,19 +79,25 @@ class Block(eqx.Module):
         return x + jax.vmap(lambda t: self.down(jax.nn.gelu(self.up(t))))(h)
 
 
-def transformer(blocks=4, width=256, heads=4, seq=128, batch=8, seed=0):
-    """(loss, params, tokens): a stack of blocks run by `lax.scan` over stacked params."""
+def transformer(blocks=4, width=256, heads=4, seq=128, batch=8, seed=0, dtype=jnp.float32,
+                checkpoint_policy=None):
+    """(loss, params, tokens): a stack of blocks run by `lax.scan` over stacked params, in
+    `dtype` (the loss summed in float32); with `checkpoint_policy`, each block under
+    `jax.checkpoint(policy=checkpoint_policy)`."""
     keys = jax.random.split(jax.random.key(seed), blocks + 1)
     stacked = eqx.filter_vmap(lambda k: Block(width, heads, k))(keys[:blocks])
     params, static = eqx.partition(stacked, eqx.is_array)
-    x = jax.random.normal(keys[-1], (batch, seq, width))
+    params = jax.tree.map(lambda a: a.astype(dtype), params)
+    x = jax.random.normal(keys[-1], (batch, seq, width)).astype(dtype)
 
     def loss(params, x):
         def body(h, p):
             return jax.vmap(eqx.combine(p, static))(h), None
 
+        if checkpoint_policy is not None:
+            body = jax.checkpoint(body, policy=checkpoint_policy)
         h, _ = lax.scan(body, x, params)
-        return jnp.mean(h**2)
+        return jnp.mean(h**2 if h.dtype == jnp.float32 else h.astype(jnp.float32) ** 2)
 
     return loss, params, x
 
