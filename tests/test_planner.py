@@ -369,3 +369,25 @@ def test_bad_json_and_decisions():
         Plan.from_json("not json")
     with pytest.raises(TypeError, match=r"`decisions` must be a tuple of `PlanDecision`s"):
         Plan([])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_measured_rates_drop_an_accelerators_fixed_call_time(monkeypatch, backend):
+    # Every timed call takes 1 ms of launch and dispatch beside 1 ps per byte or FLOP of
+    # work. On the CPU a rate is one size's time over its work; on an accelerator, the
+    # slope between two sizes, so each byte costs 1 ps there and not the 1 ms.
+    from residual._plan import costs
+
+    def timings(actions, rows, side):
+        work = {"bandwidth": 2 * rows * 1024 * 4, "flops": 2 * side**3,
+                **{a: rows * 1024 * 4 for a in actions}}
+        return {"seconds": {k: 1e-3 + 1e-12 * w for k, w in work.items()}, "work": work}
+
+    monkeypatch.setattr(costs, "_timings", timings)
+    monkeypatch.setattr(costs.jax, "default_backend", lambda: backend)
+    rates = costs.measured_rates.__wrapped__(("int8",))
+    if backend == "cpu":
+        assert rates["int8"] == pytest.approx((1e-3 + 1e-12 * 2**21) / 2**21)
+    else:
+        assert rates["int8"] == pytest.approx(1e-12) and rates["bandwidth"] == pytest.approx(1e-12)
+        assert rates["flops"] == pytest.approx(1e12)
