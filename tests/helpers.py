@@ -11,6 +11,10 @@ from jax import lax
 
 import residual
 
+# The running backend as `residual`'s reports name it: "cpu", "gpu" or "tpu".
+RUNNING_PLATFORM = {"cuda": "gpu", "rocm": "gpu"}.get(jax.default_backend(),
+                                                     jax.default_backend())
+
 TOLERANCES = {
     jnp.dtype(jnp.float64): 1e-12,
     jnp.dtype(jnp.float32): 1e-5,
