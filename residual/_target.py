@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from . import _jax_private as jp
 from ._errors import TargetUnavailableError
 from ._memory import Memory
+from ._placement import tracing_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +136,7 @@ class Target:
         if self.name is None:
             return jax.jit(fn).lower(*args)
         placed = self.place(args)
-        with self._compile_errors():
+        with self._compile_errors(), tracing_for(self.devices):
             return jax.jit(fn).lower(*placed)
 
     @contextlib.contextmanager

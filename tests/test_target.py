@@ -430,3 +430,26 @@ def test_the_extras_leave_plain_cpu_use_alone():
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["cpu", "cpu", "True"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_unpinned_offload_compiles_for_one_chip_from_this_host(target):
+    # A one-device sharding inside the program names the target's chip, not this host's
+    # CPU. On a GPU, whose compiler offloads to pinned host memory only (a value placed
+    # in unpinned host memory inside `jit` stays on the device), it is pinned memory:
+    # `save_on_cpu()` saves there what `save_on_cpu(pin_memory=True)` does.
+    ws, x = mlp_params(layers=4, width=256, batch=512)
+    where = _target.resolve(target)
+    host_bytes = {}
+    for kind in ("pinned_host", "unpinned_host"):
+        hooked = residual.with_hooks(scan_mlp, policy=rp.Offload(kind))
+        compiled = where.compile(jax.grad(hooked), [ws, x])
+        host_bytes[kind] = compiled.memory_analysis().host_temp_size_in_bytes
+    assert host_bytes["unpinned_host"] > 0 and host_bytes["pinned_host"] > 0
+    if PLATFORM[target] == "gpu":
+        assert host_bytes["unpinned_host"] == host_bytes["pinned_host"]
+        with residual.save_on_cpu():
+            default = residual.compiled_memory(jax.grad(residual.with_hooks(scan_mlp)), ws, x,
+                                               target=target)
+        assert default == residual.compiled_memory(
+            jax.grad(residual.with_hooks(scan_mlp, policy=rp.Offload())), ws, x, target=target)

@@ -10,10 +10,12 @@ from jax.sharding import SingleDeviceSharding
 
 from .._engine.ordering import several_devices
 from .._info import ResidualInfo
+from .._placement import program_device
 from .._policy import Policy
 from .._scope import saved_tensors_hooks
 
 _HOST_KINDS = ("pinned_host", "unpinned_host")
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +31,10 @@ class Offload(Policy):
 
     Args:
         memory_kind: `"pinned_host"` (default; fast DMA) or `"unpinned_host"` (pageable
-            memory). Under `jit` with several devices, JAX can move a sharded value
-            only to pinned host memory while keeping its sharding, so `"unpinned_host"`
-            then stores it in pinned host memory.
+            memory). Under `jit` `"unpinned_host"` stores in pinned host memory on a GPU,
+            whose compiler offloads to pinned memory only (a value placed in unpinned
+            memory stays on the device), and with several devices, where JAX moves a
+            sharded value only to pinned host memory while keeping its sharding.
 
     Raises:
         TypeError: `memory_kind` is not a string.
@@ -80,8 +83,13 @@ class Offload(Policy):
             return jax.memory.Space.Host
         if _concrete(x):  # outside `jit`: the array knows its own sharding
             return x.sharding.with_memory_kind(self.memory_kind)
+        device = program_device()
+        if device.platform in _GPU_PLATFORMS:
+            # The GPU compiler offloads to pinned host memory only: a value placed in
+            # unpinned host memory inside `jit` stays on the device.
+            return jax.memory.Space.Host
         if not several_devices([x]):
-            return SingleDeviceSharding(jax.devices()[0], memory_kind=self.memory_kind)
+            return SingleDeviceSharding(device, memory_kind=self.memory_kind)
         # Traced with several devices, JAX has no transfer to unpinned memory that
         # keeps each shard where it is (`jax.memory.Space` names pinned host memory
         # only), and a one-device sharding would pull every shard onto one device.
@@ -99,7 +107,7 @@ def save_on_cpu(pin_memory: bool = False) -> saved_tensors_hooks:
     The counterpart of `torch.autograd.graph.save_on_cpu`: a `saved_tensors_hooks`
     scope with the `Offload` policy, `"pinned_host"` memory when `pin_memory` is
     true, `"unpinned_host"` otherwise (pinned too in a program traced under `jit`
-    with several devices: see `Offload`).
+    for a GPU or for several devices: see `Offload`).
 
     Args:
         pin_memory: use page-locked host memory (faster copies).

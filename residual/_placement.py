@@ -1,0 +1,29 @@
+"""The device a program being traced runs on: a compile-only target's first device while
+`Target.lower` traces for it, else the running backend's first device. Policies that
+name a device inside `jit` (a one-device sharding) ask here, so that a program compiled
+for an H100 or a TPU from a CPU host names no device of the host."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+
+import jax
+
+_TARGET_DEVICES: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
+    "residual_target_devices", default=None)
+
+
+def program_device() -> jax.Device:
+    devices = _TARGET_DEVICES.get()
+    return devices[0] if devices else jax.devices()[0]
+
+
+@contextlib.contextmanager
+def tracing_for(devices: Sequence[jax.Device]) -> Iterator[None]:
+    token = _TARGET_DEVICES.set(tuple(devices))
+    try:
+        yield
+    finally:
+        _TARGET_DEVICES.reset(token)
