@@ -7,6 +7,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 
 import residual
@@ -14,6 +15,22 @@ import residual
 # The running backend as `residual`'s reports name it: "cpu", "gpu" or "tpu".
 RUNNING_PLATFORM = {"cuda": "gpu", "rocm": "gpu"}.get(jax.default_backend(),
                                                      jax.default_backend())
+
+
+
+def xfail_on_gpu(reason: str):
+    """A memory bound or a name set on XLA:CPU's programs, measured to miss on a GPU's for
+    `reason` (docs/gpu.md, "The test suite on a GPU"): expected to fail there."""
+    return pytest.mark.xfail(RUNNING_PLATFORM == "gpu", reason=f"on a GPU: {reason}",
+                             strict=False)
+
+
+# Why CPU-set memory bounds miss on a GPU, as measured compiling the tests for an H100.
+SPLIT_K_SCRATCH = ("at the test's small shapes the GPU compiler's split-K matmul scratch, "
+                   "not the stored residuals, fills most of the temp memory")
+LEANER_GPU_BASELINE = ("the GPU's plain program stores only the matmul outputs (the "
+                       "elementwise ops fused into them), a leaner baseline than XLA:CPU's")
+
 
 TOLERANCES = {
     jnp.dtype(jnp.float64): 1e-12,

@@ -12,6 +12,7 @@ import pytest
 import residual
 from residual import policies as rp
 from residual._policy import Policy
+from tests.helpers import xfail_on_gpu
 from tests.test_target import needs_gpu, needs_tpu
 
 
@@ -59,6 +60,8 @@ def test_one_big_temporary_is_the_largest_row():
     assert p.backward is None and _adds_up(p)
 
 
+@xfail_on_gpu("the GPU compiler fuses tanh into the matmul's epilogue, so the stored "
+              "buffer is named by the matmul")
 def test_stored_activations_are_one_row_with_their_source_line():
     layers, ws, x = 6, [jnp.ones((256, 256))] * 6, jnp.ones((2048, 256))
     p = residual.peak(jax.grad(_mlp), ws, x)
