@@ -61,13 +61,17 @@ test: suite
 
 # The whole suite on one venv's JAX: lint, tests and doctests, the multi-device tests
 # (in a process of their own: they simulate 8 CPU devices, set before JAX starts), and
-# the notebooks; then the flax NNX tests on the oldest flax this JAX runs.
+# the notebooks.
 define suite
 	@$(1)/bin/python -c "import jax, sys; print(f'== jax {jax.__version__}, Python {sys.version.split()[0]}')"
 	$(1)/bin/python -m ruff check residual tests benchmarks
 	$(1)/bin/python -m pytest -n $(PYTEST_WORKERS) --durations=15 residual tests docs
 	$(1)/bin/python -m pytest tests/multidevice
 	$(1)/bin/python -m pytest --nbmake notebooks
+endef
+
+# Then the flax NNX tests once more, on the oldest flax this JAX runs.
+define flax_oldest
 	PYTHONPATH=$(1)/flax-oldest $(1)/bin/python -c "import flax; print(f'== flax {flax.__version__}')"
 	PYTHONPATH=$(1)/flax-oldest $(1)/bin/python -m pytest -n $(PYTEST_WORKERS) -k nnx \
 		tests/test_nnx.py tests/test_libraries.py docs/guides/flax-nnx.md
@@ -75,6 +79,7 @@ endef
 
 suite: $(STAMP)
 	$(call suite,$(VENV))
+	$(call flax_oldest,$(VENV))
 
 # The suite on every other supported JAX release, and once more on the newest with JAX's
 # upgrade flags on; `make -j2 test-jax` runs them two at a time.
@@ -82,12 +87,17 @@ test-jax: $(JAX_VENVS:%=suite-%) suite-upgrade-flags
 
 suite-%: %/.installed
 	$(call suite,$*)
+	$(call flax_oldest,$*)
 
 # JAX's opt-in flags that are to become its defaults and that plain `jax.grad` can
 # differentiate under (not `jax_scan3` yet): the day JAX flips one, the suite has passed.
+# The flags change what JAX traces, not which flax runs: the oldest flax is tested
+# without them. This suite runs last in `make -j2 test-jax`, mostly alone: it takes
+# both cores.
 suite-upgrade-flags: export JAX_REMAT3 = 1
 suite-upgrade-flags: export JAX_CUSTOM_VJP3 = 1
 suite-upgrade-flags: export JAX_CUSTOM_JVP3 = 1
+suite-upgrade-flags: override PYTEST_WORKERS = auto
 suite-upgrade-flags: .venv-jax012/.installed
 	@echo "== JAX upgrade flags on: jax_remat3, jax_custom_vjp3, jax_custom_jvp3"
 	$(call suite,.venv-jax012)
