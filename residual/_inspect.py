@@ -304,7 +304,7 @@ def inspect(
             Targets page), with the arguments' shardings mapped onto its devices.
         peak: also read what is live at the compiled program's peak under the policy
             (`report.peak`, a `residual.Peak`), and check each decision against it: a
-            residual packed or offloaded whose float the compiled program
+            residual packed, offloaded or recomputed whose float the compiled program
             still keeps for the backward is flagged. Needs `compiled=True`.
         **kwargs: keyword arguments of `f`.
 
@@ -413,7 +413,7 @@ def _notes(records: list[Record], rows, policy: Policy | None, totals: dict[str,
                 "on shallow or small ones, keep plain `jax.grad`."
             )
     if flagged:
-        acted = sum(r.how == "packed" for r in rows)
+        acted = sum(r.how in ("packed", "recomputed") for r in rows)
         notes.append(
             f"{len(flagged)} of {acted} decisions took no effect in the compiled program: "
             "the float is still kept for the backward, or is an argument alive anyway "

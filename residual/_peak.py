@@ -445,15 +445,15 @@ def _cut(text: str, width: int) -> str:
 
 
 def unkept_decisions(peak: Peak, program: _buffers.Program, rows) -> list[str]:
-    """Residuals a policy packed or offloaded whose float the compiled program still keeps
-    for the backward: a decision without effect, one sentence each.
+    """Residuals a policy packed, offloaded or recomputed whose float the compiled program
+    still keeps for the backward: a decision without effect, one sentence each.
 
     Floats kept across the backward's start are counted per array type; those beyond
     the residuals of that type stored as they are belong to residuals the policy acted
     on. (Source lines do not tell them apart: a scan's stacked residuals carry the
-    scan's line, a residual the line of its body.) Recomputed residuals are not
-    checked: the values their recomputation starts from are stored, and may be of
-    the same type.
+    scan's line, a residual the line of its body.) A recomputation starts from stored
+    values that need not be rows (a scan's output the function goes on from): a
+    recomputed residual is flagged only where a float kept is its primitive's.
     """
     if peak.backward is None:
         return []
@@ -462,37 +462,48 @@ def unkept_decisions(peak: Peak, program: _buffers.Program, rows) -> list[str]:
                "but the program's argument stays alive anyway" for r in rows
                if r.how == "packed" and r.is_input and not r.section]
     for array, group in _rows_by_array(rows).items():
-        flagged += _unkept_of_type(array, group, kept_floats.get(array, 0))
+        flagged += _unkept_of_type(array, group, kept_floats.get(array, []))
     return flagged
 
 
-def _unkept_of_type(array: str, group: list, kept_floats: int) -> list[str]:
+def _unkept_of_type(array: str, group: list, kept_floats: list[str]) -> list[str]:
     """The rows of one array type a policy acted on beyond what the program's floats
-    kept across the backward leave room for (those stored as they are come first)."""
-    acted = [r for r in group if r.how == "packed" and (r.section or not r.is_input)]
+    kept across the backward leave room for (those stored as they are come first).
+    `kept_floats` are the operations that made those floats: rows of the same primitive
+    are named first."""
+    made_by = {op.rsplit("/", 1)[-1] for op in kept_floats}
+    acted = sorted((r for r in group if (r.how == "recomputed" and r.primitive in made_by)
+                    or (r.how == "packed" and (r.section or not r.is_input))),
+                   key=lambda r: r.primitive not in made_by)
     # A scan body's inputs are stored stacked; the function's own are arguments.
     kept = sum(r.how == "kept" and bool(r.section or not r.is_input) for r in group)
     flagged = []
-    for r in acted[:max(kept_floats - kept, 0)]:
-        what = ("offloaded, but a device copy is kept for the backward"
-                if r.policy.startswith("Offload") else
-                "packed, but the float is still kept for the backward")
+    for r in acted[:max(len(kept_floats) - kept, 0)]:
+        if r.how == "recomputed":
+            what = "recomputed, but the compiler keeps the value for the backward anyway"
+        elif r.policy.startswith("Offload"):
+            what = "offloaded, but a device copy is kept for the backward"
+        else:
+            what = "packed, but the float is still kept for the backward"
         flagged.append(f"residual {r.label} ({array}, {r.source or r.primitive}): {what}")
     return flagged
 
 
-def _floats_kept_across_backward(peak: Peak, program: _buffers.Program) -> dict[str, int]:
-    """How many of the program's temporaries of each array type live across the start of
-    the backward (a transpose's own buffers aside), each slot counted once."""
+def _floats_kept_across_backward(peak: Peak,
+                                 program: _buffers.Program) -> dict[str, list[str]]:
+    """The program's temporaries of each array type that live across the start of the
+    backward (a transpose's own buffers aside), each slot once, by the operation that
+    made them."""
     spaces = _COUNTED.get(peak.memory.platform, (_buffers.DEVICE,))
-    kept_floats: dict[str, int] = {}
+    kept_floats: dict[str, list[str]] = {}
     slots = set()
     for b in program.buffers:
+        # A tuple's buffer holds pointers to arrays counted on their own.
         if (b.space in spaces and b.role == "temporary" and "transpose(" not in b.op_name
+                and not b.shape.startswith("(")
                 and b.start < peak.backward <= b.end and (b.allocation, b.offset) not in slots):
             slots.add((b.allocation, b.offset))
-            array = b.shape.split("{")[0]
-            kept_floats[array] = kept_floats.get(array, 0) + 1
+            kept_floats.setdefault(b.shape.split("{")[0], []).append(b.op_name)
     return kept_floats
 
 

@@ -155,6 +155,34 @@ def test_a_packed_residual_whose_float_is_kept_is_flagged():
     assert "at the peak:" in cast.text()
 
 
+def test_a_recomputed_residual_the_compiler_keeps_anyway_is_flagged():
+    # A step that also returns the loss computes every activation in the forward; XLA
+    # then keeps them for the backward instead of recomputing them (common-subexpression
+    # elimination), which an unrolled MLP's peak does not punish. The gradient alone
+    # needs the activations for nothing but the backward: there, they are recomputed.
+    from residual import _peak
+    from residual._target import resolve
+
+    layers = 6
+    ws, x = [jnp.full((256, 256), 0.01)] * layers, jnp.ones((512, 256))
+    remat = residual.with_hooks(_mlp, policy=rp.Remat())
+    rows = residual.inspect(_mlp, ws, x, policy=rp.Remat(), compiled=False).rows
+    here = resolve(None)
+    step = here.compile_with_dumps(jax.value_and_grad(remat), (ws, x))
+    flagged = _peak.unkept_decisions(*_peak.read(*step, here.label), rows)
+    # A tanh kept per layer. Where JAX names the last one's residual after the loss's
+    # `mul` (jax 0.12), that row is not flagged: only rows of the primitive that made
+    # a kept float are.
+    tanh = {r.label for r in rows if r.how == "recomputed" and r.primitive == "tanh"}
+    assert {n.split()[1] for n in flagged} == tanh and len(tanh) >= layers - 1, flagged
+    assert all("recomputed, but the compiler keeps" in n for n in flagged), flagged
+    report = residual.inspect(_mlp, ws, x, policy=rp.Remat(), peak=True)
+    assert not [n for n in report.peak.notes if "recomputed, but" in n], report.peak.notes
+    scan = residual.inspect(_scan_mlp, jnp.stack(ws), x, policy=rp.Remat(), peak=True)
+    assert [r for r in scan.rows if r.how == "recomputed"]
+    assert not [n for n in scan.peak.notes if "recomputed, but" in n], scan.peak.notes
+
+
 def test_inspect_peak_needs_the_compiled_program():
     with pytest.raises(ValueError, match="drop `compiled=False`"):
         residual.inspect(_mlp, [jnp.ones((8, 8))], jnp.ones((4, 8)), compiled=False, peak=True)
