@@ -8,6 +8,8 @@ from typing import Any
 
 import jax
 
+from ._placement import platform_family
+
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
@@ -89,8 +91,8 @@ def platform_of(compiled: jax.stages.Compiled) -> str:
     for sharding in shardings:
         if isinstance(sharding, jax.sharding.Sharding) and sharding.device_set:
             platform = next(iter(sharding.device_set)).platform
-            return "gpu" if platform in ("cuda", "rocm") else platform
-    return jax.default_backend()
+            return platform_family(platform)
+    return platform_family(jax.default_backend())
 
 
 def compiled_memory(fn: Callable, *args: Any, target: Any = None) -> Memory:

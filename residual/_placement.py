@@ -15,6 +15,12 @@ _TARGET_DEVICES: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
     "residual_target_devices", default=None)
 
 
+def platform_family(platform: str) -> str:
+    """A device's platform as the reports name it: `"cpu"`, `"gpu"` (CUDA and ROCm
+    alike) or `"tpu"`."""
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
 def program_device() -> jax.Device:
     devices = _TARGET_DEVICES.get()
     return devices[0] if devices else jax.devices()[0]

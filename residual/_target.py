@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from . import _jax_private as jp
 from ._errors import TargetUnavailableError
 from ._memory import Memory
-from ._placement import tracing_for
+from ._placement import platform_family, tracing_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +300,7 @@ def resolve(target: str | Target | None) -> Target:
 def _running() -> Target:
     devices = tuple(jax.devices())
     platform = devices[0].platform
-    return Target(None, "gpu" if platform in ("cuda", "rocm") else platform, devices)
+    return Target(None, platform_family(platform), devices)
 
 
 @functools.cache

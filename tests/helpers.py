@@ -11,10 +11,10 @@ import pytest
 from jax import lax
 
 import residual
+from residual._placement import platform_family
 
 # The running backend as `residual`'s reports name it: "cpu", "gpu" or "tpu".
-RUNNING_PLATFORM = {"cuda": "gpu", "rocm": "gpu"}.get(jax.default_backend(),
-                                                     jax.default_backend())
+RUNNING_PLATFORM = platform_family(jax.default_backend())
 
 
 

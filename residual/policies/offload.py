@@ -10,14 +10,11 @@ from jax.sharding import SingleDeviceSharding
 
 from .._engine.ordering import several_devices
 from .._info import ResidualInfo
-from .._placement import program_device
+from .._placement import platform_family, program_device
 from .._policy import Policy
 from .._scope import saved_tensors_hooks
 
 _HOST_KINDS = ("pinned_host", "unpinned_host")
-_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
-
-
 @dataclasses.dataclass(frozen=True)
 class Offload(Policy):
     """Moves residuals to host memory in the forward and back to the device in the backward.
@@ -84,7 +81,7 @@ class Offload(Policy):
         if _concrete(x):  # outside `jit`: the array knows its own sharding
             return x.sharding.with_memory_kind(self.memory_kind)
         device = program_device()
-        if device.platform in _GPU_PLATFORMS:
+        if platform_family(device.platform) == "gpu":
             # The GPU compiler offloads to pinned host memory only: a value placed in
             # unpinned host memory inside `jit` stays on the device.
             return jax.memory.Space.Host
