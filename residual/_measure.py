@@ -41,7 +41,17 @@ def worst_argument_error(got: Any, want: Any) -> float:
 def whole_gradient_error(got: Any, want: Any) -> float:
     """||got - want|| / ||want|| over all leaves together, in float64 (the absolute
     error where `want` is all zeros)."""
-    diff = sum(float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
-               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-    norm = sum(float(np.sum(np.asarray(b, np.float64) ** 2)) for b in jax.tree.leaves(want))
+    got, want = map(_on_host, jax.tree.leaves(got)), list(map(_on_host, jax.tree.leaves(want)))
+    diff = sum(float(np.sum((a - b) ** 2)) for a, b in zip(got, want))
+    norm = sum(float(np.sum(b**2)) for b in want)
     return math.sqrt(diff / norm) if norm > 0 else math.sqrt(diff)
+
+
+def _on_host(x: Any) -> np.ndarray:
+    """The whole of `x` in float64 on this host; in a multi-host run, an array sharded
+    across hosts is gathered from all of them (every process calls this alike)."""
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x, np.float64)

@@ -1,5 +1,5 @@
 """The device a program being traced runs on: a compile-only target's first device while
-`Target.lower` traces for it, else the running backend's first device. Policies that
+`Target.lower` traces for it, else this process's first device. Policies that
 name a device inside `jit` (a one-device sharding) ask here, so that a program compiled
 for an H100 or a TPU from a CPU host names no device of the host."""
 
@@ -23,7 +23,7 @@ def platform_family(platform: str) -> str:
 
 def program_device() -> jax.Device:
     devices = _TARGET_DEVICES.get()
-    return devices[0] if devices else jax.devices()[0]
+    return devices[0] if devices else jax.local_devices()[0]
 
 
 @contextlib.contextmanager

@@ -89,9 +89,10 @@ def in_device_memory(array: Any) -> bool:
 
 
 def several_devices(values: Sequence[Any]) -> bool:
-    """Whether the program may be partitioned over several devices: this process has
-    several, or a value is sharded over a mesh of several (arguments placed on a
-    compile-only TPU slice while the running backend has one device)."""
+    """Whether the program may be partitioned over several devices: the run has several
+    (counting every process of a multi-host run), or a value is sharded over a mesh of
+    several (arguments placed on a compile-only TPU slice while the running backend
+    has one device)."""
     if jax.device_count() > 1:
         return True
     meshes = (getattr(getattr(jax.typeof(v), "sharding", None), "mesh", None)

@@ -18,7 +18,7 @@ from .._policy import Policy
 from .._target import Target
 from .actions import MIN_BYTES, NOMINAL_ERROR, policy_of
 from .programs import Programs
-from .timing import best_time
+from .timing import agreed, best_time
 from .value import Plan, code_key_of
 
 # Recomputing is costed residual by residual (one lowering each) up to this many
@@ -44,6 +44,8 @@ class RoundTrips(Policy):
             policy = policy_of(action).resolve(info)
             if policy is None or policy.lossless:
                 continue
+            # Known at trace time on every process, whichever runs the callback.
+            self.sums.setdefault((key, action), [0.0, 0.0])
             packed = jax.tree.map(opaque, policy.pack(x, info))
             got = policy.unpack(packed, info).astype(jnp.float32)
             jax.debug.callback(functools.partial(add_sums, self.sums, (key, action)),
@@ -105,8 +107,9 @@ def measured_rates(actions: tuple[str, ...]) -> dict[str, float]:
     there the rates are the slopes between two sizes, which that fixed time drops out of."""
     small = _timings(actions, rows=512, side=512)
     if jax.default_backend() == "cpu":
-        return {k: seconds / small["work"][k] if k != "flops" else small["work"][k] / seconds
-                for k, seconds in small["seconds"].items()}
+        return agreed({k: seconds / small["work"][k] if k != "flops"
+                       else small["work"][k] / seconds
+                       for k, seconds in small["seconds"].items()})
     large = _timings(actions, rows=32 * 512, side=2048)
     rates = {}
     for k, seconds in large["seconds"].items():
@@ -116,7 +119,7 @@ def measured_rates(actions: tuple[str, ...]) -> dict[str, float]:
             extra_work, extra_seconds = large["work"][k], seconds
         rates[k] = (extra_work / extra_seconds if k == "flops"
                     else extra_seconds / extra_work)
-    return rates
+    return agreed(rates)
 
 
 def _timings(actions: tuple[str, ...], rows: int, side: int) -> dict[str, dict[str, float]]:
@@ -248,10 +251,12 @@ class CostModel:
         own residual values, all iterations together: summed inside the gradient's
         program (one run; only two numbers per residual and action leave it)."""
         sums: dict[tuple, list[float]] = {}
-        gradient = self.programs.grad_fn(RoundTrips(actions, sums))
+        gradient = jax.jit(self.programs.grad_fn(RoundTrips(actions, sums)))
         jax.block_until_ready(gradient(*self.programs.args))
-        return {key: math.sqrt(err / norm) if norm > 0 else 0.0
-                for key, (err, norm) in sums.items()}
+        errors = agreed({key: err for key, (err, _) in sums.items()})
+        norms = agreed({key: norm for key, (_, norm) in sums.items()})
+        return {key: math.sqrt(errors[key] / norms[key]) if norms[key] > 0 else 0.0
+                for key in sums}
 
     def _remat_costs(self) -> None:
         """Seconds and bytes of recomputing each residual: XLA's cost analysis of the

@@ -17,7 +17,7 @@ from .._measure import whole_gradient_error
 from .._memory import Memory
 from .._policy import Policy
 from .._target import DoesNotFitError, Target
-from .timing import SAMPLE_SECONDS, TIMING_SECONDS, best_time, run_steps
+from .timing import SAMPLE_SECONDS, TIMING_SECONDS, agreed, best_time, run_steps
 from .value import Plan
 
 
@@ -92,7 +92,7 @@ class Programs:
             return None
         step = self.executable(None)
         jax.block_until_ready(step(*self.args))
-        return best_time(lambda: step(*self.args))
+        return agreed({"plain": best_time(lambda: step(*self.args))})["plain"]
 
     def time_steps(self, plans: list[Plan]) -> None:
         """Times the steps of `plans` not timed yet, each right after a plain step, in
@@ -114,5 +114,5 @@ class Programs:
                        for s in steps]
             for i, t in enumerate(seconds[1:]):
                 ratios[i].append(t / seconds[0])
-        for p, r in zip(plans, ratios):
-            self.step_ratio[p] = float(np.median(r))
+        medians = agreed({str(i): float(np.median(r)) for i, r in enumerate(ratios)})
+        self.step_ratio.update(zip(plans, medians.values()))

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
+import numpy as np
 
 from .value import Plan
 
@@ -38,6 +40,22 @@ def fastest_of(plans: Sequence[Plan], seconds: Callable, error: Callable,
     fastest = min(map(seconds, plans))
     ties = [p for p in plans if seconds(p) <= (1 + TIME_TIE) * fastest]
     return min(ties, key=lambda p: (error(p), memory(p), seconds(p)))
+
+
+def agreed(measured: dict[Any, float]) -> dict[Any, float]:
+    """`measured` as the first process measured it, on every process of a multi-host run
+    (the keys, known at trace time, are the same on all).
+
+    Timings differ between hosts, and a callback's figures may reach one host only;
+    the plan chosen from them, or how many steps a timing runs, must not differ: each
+    process compiles and runs the same programs, whose collectives wait for all."""
+    if jax.process_count() == 1 or not measured:
+        return measured
+    from jax.experimental import multihost_utils
+
+    values = multihost_utils.broadcast_one_to_all(
+        np.asarray(list(measured.values()), np.float64))
+    return dict(zip(measured, map(float, values)))
 
 
 def run_steps(step: Callable, args: tuple, times: int):

@@ -54,12 +54,13 @@ class Offload(Policy):
                 f"`memory_kind` must be a string, \"pinned_host\" or \"unpinned_host\", but "
                 f"got {type(self.memory_kind).__name__}: {self.memory_kind!r}."
             )
-        available = [m.kind for m in jax.devices()[0].addressable_memories()]
+        device = jax.local_devices()[0]
+        available = [m.kind for m in device.addressable_memories()]
         if self.memory_kind not in _HOST_KINDS or self.memory_kind not in available:
             hosts = [k for k in available if k in _HOST_KINDS]
             raise ValueError(
                 f"`memory_kind` must be a host memory of the device; "
-                f"{jax.devices()[0].device_kind} has {available}, so one of {hosts}, "
+                f"{device.device_kind} has {available}, so one of {hosts}, "
                 f"but got {self.memory_kind!r}."
             )
 
