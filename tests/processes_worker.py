@@ -12,23 +12,20 @@ import json
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(f"localhost:{sys.argv[2]}", num_processes=2,
-                           process_id=int(sys.argv[1]))
+import residual
+from residual import policies as rp
+from residual._measure import whole_gradient_error
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import residual  # noqa: E402
-from residual import policies as rp  # noqa: E402
-from residual._measure import whole_gradient_error  # noqa: E402
-from tests.helpers import collectives  # noqa: E402
-
-POLICIES = {"identity": rp.Identity(), "offload": rp.Offload(), "remat": rp.Remat(),
+def policies() -> dict:
+    """Made after `join`: `Offload` reads the device's memories, which starts a backend."""
+    return {"identity": rp.Identity(), "offload": rp.Offload(), "remat": rp.Remat(),
             "int8": rp.Quantize(bits=8, min_bytes=0)}
 
 
@@ -61,7 +58,15 @@ def local(tree) -> list[list[float]]:
             for leaf in jax.tree.leaves(tree)]
 
 
+def join(process_id: int, port: str) -> None:
+    """Joins the other process before JAX starts a backend (collectives through gloo)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
+
+
 def main() -> None:
+    from tests.helpers import collectives  # it starts JAX's backend: after `join`
+
     mesh = Mesh(np.array(jax.devices()), ("data",))
     replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     rng = np.random.default_rng(0)  # the same on both processes, as a seed is
@@ -75,7 +80,7 @@ def main() -> None:
     plain_step = jax.jit(jax.grad(loss))
     out["plain"] = local(plain_step(params, x))
     out["collectives"] = {"plain": collectives(plain_step.lower(params, x).compile().as_text())}
-    for name, policy in POLICIES.items():
+    for name, policy in policies().items():
         step = jax.jit(jax.grad(residual.with_hooks(loss, policy=policy)))
         out[name] = local(step(params, x))
         out["collectives"][name] = collectives(step.lower(params, x).compile().as_text())
@@ -98,12 +103,12 @@ def main() -> None:
         return values
 
     out["train_plain"] = train(loss)
-    out["train_int8"] = train(residual.with_hooks(loss, policy=POLICIES["int8"]))
+    out["train_int8"] = train(residual.with_hooks(loss, policy=policies()["int8"]))
 
     # The planner's gradient error, on values sharded across the processes.
     out["sharded_error"] = whole_gradient_error(jax.jit(lambda x: x * 1.01)(x), x)
 
-    report = residual.inspect(loss, params, x, policy=POLICIES["int8"])
+    report = residual.inspect(loss, params, x, policy=policies()["int8"])
     out["inspect"] = {k: report.totals[k] for k in ("stored_bytes", "residual_bytes",
                                                     "plain_peak_bytes", "hooked_peak_bytes")}
     chosen = residual.plan(loss, params, x, budget=0.6, actions=("int8", "remat"))
@@ -115,4 +120,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    join(int(sys.argv[1]), sys.argv[2])
     main()
