@@ -41,7 +41,7 @@ def worst_argument_error(got: Any, want: Any) -> float:
 def whole_gradient_error(got: Any, want: Any) -> float:
     """||got - want|| / ||want|| over all leaves together, in float64 (the absolute
     error where `want` is all zeros)."""
-    got, want = map(_on_host, jax.tree.leaves(got)), list(map(_on_host, jax.tree.leaves(want)))
+    got, want = ([_on_host(x) for x in jax.tree.leaves(tree)] for tree in (got, want))
     diff = sum(float(np.sum((a - b) ** 2)) for a, b in zip(got, want))
     norm = sum(float(np.sum(b**2)) for b in want)
     return math.sqrt(diff / norm) if norm > 0 else math.sqrt(diff)

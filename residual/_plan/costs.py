@@ -253,10 +253,10 @@ class CostModel:
         sums: dict[tuple, list[float]] = {}
         gradient = jax.jit(self.programs.grad_fn(RoundTrips(actions, sums)))
         jax.block_until_ready(gradient(*self.programs.args))
-        errors = agreed({key: err for key, (err, _) in sums.items()})
-        norms = agreed({key: norm for key, (_, norm) in sums.items()})
-        return {key: math.sqrt(errors[key] / norms[key]) if norms[key] > 0 else 0.0
-                for key in sums}
+        both = agreed({(key, part): v for key, pair in sums.items()
+                       for part, v in zip(("err", "norm"), pair)})
+        return {key: math.sqrt(both[key, "err"] / both[key, "norm"])
+                if both[key, "norm"] > 0 else 0.0 for key in sums}
 
     def _remat_costs(self) -> None:
         """Seconds and bytes of recomputing each residual: XLA's cost analysis of the
