@@ -278,6 +278,19 @@ def test_a_marker_whose_hooks_are_gone_is_an_error_not_silence():
         policy_of_marker("residual-hooks-987654321")
 
 
+def test_save_on_cpu_stores_in_pinned_memory_where_the_device_has_no_pageable_memory():
+    from residual.policies.offload import host_memory_kind
+
+    # JAX's CUDA backend: "device" and "pinned_host" only (seen on an H200, jax 0.11.2).
+    gpu, cpu = ["device", "pinned_host"], ["device", "pinned_host", "unpinned_host"]
+    assert host_memory_kind(False, gpu) == host_memory_kind(True, gpu) == "pinned_host"
+    assert host_memory_kind(False, cpu) == "unpinned_host"
+    assert host_memory_kind(True, cpu) == "pinned_host"
+    kinds = [m.kind for m in jax.devices()[0].addressable_memories()]
+    with residual.save_on_cpu() as scope:
+        assert scope._entry.memory_kind == host_memory_kind(False, kinds)
+
+
 def test_equal_hooks_made_again_each_step_share_the_jit_cache():
     # The jit key holds no hooks, yet equal ones made afresh still hit the cache.
     class Model:

@@ -105,7 +105,10 @@ def save_on_cpu(pin_memory: bool = False) -> saved_tensors_hooks:
     The counterpart of `torch.autograd.graph.save_on_cpu`: a `saved_tensors_hooks`
     scope with the `Offload` policy, `"pinned_host"` memory when `pin_memory` is
     true, `"unpinned_host"` otherwise (pinned too in a program traced under `jit`
-    for a GPU or for several devices: see `Offload`).
+    for a GPU or for several devices: see `Offload`). A device with no pageable host
+    memory (JAX's CUDA backend offers `"device"` and `"pinned_host"` only) stores in
+    pinned memory either way: `pin_memory` asks for faster copies, not for another
+    place.
 
     Args:
         pin_memory: use page-locked host memory (faster copies).
@@ -119,8 +122,12 @@ def save_on_cpu(pin_memory: bool = False) -> saved_tensors_hooks:
         >>> with residual.save_on_cpu(pin_memory=True):
         ...     g = jax.grad(f)(jnp.zeros(2))
     """
-    return saved_tensors_hooks(
-        policy=Offload("pinned_host" if pin_memory else "unpinned_host")
-    )
+    kinds = [m.kind for m in jax.local_devices()[0].addressable_memories()]
+    return saved_tensors_hooks(policy=Offload(host_memory_kind(pin_memory, kinds)))
+
+
+def host_memory_kind(pin_memory: bool, kinds) -> str:
+    """The host memory `save_on_cpu(pin_memory)` stores in, of a device's memory `kinds`."""
+    return "unpinned_host" if not pin_memory and "unpinned_host" in kinds else "pinned_host"
 
 
