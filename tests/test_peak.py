@@ -155,6 +155,10 @@ def test_a_packed_residual_whose_float_is_kept_is_flagged():
     assert "at the peak:" in cast.text()
 
 
+@xfail_on_gpu("XLA:GPU keeps each layer's matmul output (a split-K reduction's result), not "
+              "its tanh, and computes tanh again inside the next matmul's fusion: the "
+              "recomputation takes effect, and nothing is flagged (seen compiling for an H100 "
+              "from a CPU host and on an H200)")
 def test_a_recomputed_residual_the_compiler_keeps_anyway_is_flagged():
     # A step that also returns the loss computes every activation in the forward; XLA
     # then keeps them for the backward instead of recomputing them (common-subexpression

@@ -101,7 +101,9 @@ def test_lossless_actions_give_plain_gradients():
     assert p.memory <= p.plain_memory
     got = _grad(unrolled_mlp, p)(*args)
     want = _grad(unrolled_mlp)(*args)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # Float32 rounding of the gradient's scale: a GPU sums in another order in the other
+    # program (one of 16,384 entries 1e-6 apart on an H200, where it is -0.006).
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
 def test_never_above_plain_where_packing_loses():
