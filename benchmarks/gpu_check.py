@@ -19,6 +19,7 @@ Three phases, each (model, policy) in processes of its own, since the device's
     python benchmarks/gpu_check.py                     # every model and policy
     python benchmarks/gpu_check.py --small             # a quick run (also on CPU)
     python benchmarks/gpu_check.py --results r.jsonl --until 540   # stop timing at 540 s
+    python benchmarks/gpu_check.py --models scan_mlp --rows "plan(budget=0.5)"  # one row
 
 Results are JSON lines (`--results`), and a table at the end.
 """
@@ -79,6 +80,12 @@ PROFILED = ("Quantize(bits=8)", "Offload()")
 
 def plan_labels(budgets) -> list[str]:
     return [f"plan(budget={b})" for b in budgets]
+
+
+def labels(name: str, budgets, rows=None) -> list[str]:
+    """A model's rows, plain first; only those in `rows` (and plain) if given."""
+    every = ROWS[name] + plan_labels(budgets)
+    return [label for label in every if rows is None or label == "plain" or label in rows]
 
 
 def is_plan(label: str) -> bool:
@@ -195,13 +202,13 @@ def timed(step, args) -> float:
 
 
 def time_model(name: str, small: bool, work: Path, seconds_per_row: float, link: bool,
-               budgets=()):
+               budgets=(), rows=None):
     """Prints a JSON line per row: the paired step-time ratio to plain."""
     if link:
         print(json.dumps({"model": "link", **link_bandwidth()}), flush=True)
     loss, args = model(name, small)
     plain = compile_step(loss, args, contextlib.nullcontext())
-    for label in ROWS[name][1:] + plan_labels(budgets):
+    for label in labels(name, budgets, rows)[1:]:
         if is_plan(label) and not plan_path(name, label, small, work).exists():
             continue
         try:
@@ -330,7 +337,7 @@ def run_all(args) -> list[dict]:
             continue
         command = _child("--time", name, small=args.small, work=work) + [
             "--seconds-per-row", str(args.seconds_per_row), "--budgets", *args.budgets] + (
-            ["--link"] if i == 0 else [])
+            ["--link"] if i == 0 else []) + (["--rows", *args.rows] if args.rows else [])
         errors = work / f"time-{name}.err"
         with open(errors, "w") as err, subprocess.Popen(
                 command, stdout=subprocess.PIPE, stderr=err, text=True) as process:
@@ -351,7 +358,7 @@ def prepare_all(args, work: Path, keep, began: float) -> None:
     row is prepared in the same slot once its plan is made."""
     jobs = []
     for name in args.models:
-        for label in ROWS[name] + plan_labels(args.budgets):
+        for label in labels(name, args.budgets, args.rows):
             commands = [_child("--prepare", name, label, small=args.small, work=work)]
             if is_plan(label):
                 commands.insert(0, _child("--plan", name, label, small=args.small, work=work))
@@ -443,6 +450,8 @@ def main() -> int:
                         help="time each row's paired steps for about this long (5 to 20 pairs)")
     parser.add_argument("--budgets", nargs="*", default=["0.5", "0.25"],
                         help="`residual.plan` budgets, as fractions of plain's peak")
+    parser.add_argument("--rows", nargs="+", metavar="POLICY",
+                        help="measure only these rows (and plain), as the table names them")
     parser.add_argument("--results", default="gpu_check.jsonl")
     parser.add_argument("--work", default="/tmp/residual-gpu-check")
     parser.add_argument("--plan", nargs=2, metavar=("MODEL", "POLICY"))
@@ -450,6 +459,10 @@ def main() -> int:
     parser.add_argument("--time", metavar="MODEL")
     parser.add_argument("--link", action="store_true")
     args = parser.parse_args()
+    known = {label for name in args.models for label in labels(name, args.budgets)}
+    if args.rows and not set(args.rows) <= known:
+        parser.error(f"--rows: no row named {sorted(set(args.rows) - known)}; the rows of "
+                     f"{args.models} are {sorted(known)}")
     work = Path(args.work)
     jax.config.update("jax_compilation_cache_dir", str(work / "cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -462,7 +475,8 @@ def main() -> int:
         print(json.dumps(prepare(*args.prepare, args.small, work)))
         return 0
     if args.time:
-        time_model(args.time, args.small, work, args.seconds_per_row, args.link, args.budgets)
+        time_model(args.time, args.small, work, args.seconds_per_row, args.link, args.budgets,
+                   args.rows)
         return 0
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     results = run_all(args)
