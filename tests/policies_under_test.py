@@ -1,5 +1,5 @@
 """Every kind of policy the library takes, for the shared contract in `test_policies.py`:
-each built-in, plain `pack`/`unpack` hooks, and a policy a user writes."""
+each built-in, plain `pack`/`unpack` hooks, a policy a user writes, and a saved plan."""
 
 from __future__ import annotations
 
@@ -50,5 +50,10 @@ POLICIES = [
     # What `with_hooks(f, pack, unpack)` makes of plain hooks: every array, inputs too.
     (FunctionHooks(_negate, _negate), 0.0),
     (Half(), 1e-2),
+    # A plan as saved by `Plan.to_json` and loaded back: the residuals it does not list
+    # are recomputed in scan bodies, stored as they are elsewhere.
+    (residual.Plan.from_json(
+        '{"format": "residual.Plan", "version": 1, "decisions": [], "recompute_scans": true}'),
+     1e-6),
 ]
 IDS = [repr(p)[:30] for p, _ in POLICIES]

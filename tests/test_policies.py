@@ -33,6 +33,27 @@ def test_grad_and_jit_match_plain_grad(policy, bound, model):
 
 
 @pytest.mark.parametrize(("policy", "bound"), POLICIES, ids=IDS)
+@pytest.mark.parametrize("model", [scan_mlp, unrolled_mlp])
+def test_second_derivatives_match_plain(policy, bound, model):
+    # Hessian-vector products, reverse over reverse (jitted) and forward over reverse
+    # (eager). A higher derivative differentiates the stored residuals too: a lossy
+    # policy may change their values, never drop their derivative.
+    ws, x = mlp_params(layers=3, width=64, batch=16)
+    v = jax.random.normal(jax.random.key(1), ws.shape)
+    g = residual.with_hooks(model, policy=policy)
+
+    def reverse(f):
+        return jax.jit(jax.grad(lambda ws: jnp.vdot(jax.grad(f)(ws, x), v)))(ws)
+
+    def forward(f):
+        return jax.jvp(lambda ws: jax.grad(f)(ws, x), (ws,), (v,))[1]
+
+    _check(reverse(g), reverse(model), bound)
+    # Eagerly, the differentiated backward and plain's sum in other orders (an ulp).
+    _check(forward(g), forward(model), max(bound, 1e-6))
+
+
+@pytest.mark.parametrize(("policy", "bound"), POLICIES, ids=IDS)
 def test_vmap_of_grad(policy, bound):
     ws, x = mlp_params(layers=2, width=64, batch=8)
     xs = jnp.stack([x, 2 * x])

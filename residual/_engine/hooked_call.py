@@ -9,6 +9,7 @@ each residual where it is first needed. See `_engine/README.md` for the data flo
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,6 +23,20 @@ from .._policy import FORWARD_WRAPPERS, Policy
 from .decisions import Decision, Handoff, RecomputePlan, Restores, Stores, as_array, decide
 from .record import Record, record
 from .residuals import Analysis, InputKind, Residual, backward_jaxpr, trace_residuals
+
+_HIGHER_ORDER = contextvars.ContextVar("residual_higher_order", default=False)
+
+
+def differentiated_again() -> bool:
+    """Whether the forward being traced is itself differentiated (a higher derivative).
+
+    A scan body's hooks cannot tell: JAX traces the body's forward once, with tracers
+    of the scan's own, and differentiates that jaxpr again later, through the stored
+    residuals as they were packed (rounding's zero derivative; a value in host memory
+    where a cotangent must be on the device). The hooked call around the scan can, and
+    says so here for the time its forward is traced.
+    """
+    return _HIGHER_ORDER.get()
 
 
 def hooked_call(
@@ -52,13 +67,21 @@ def hooked_call(
         # Python scalars (a float passed to `jax.grad`) reach the rule as JAX's typed
         # scalars, which are not arrays: hooks and the forward see arrays only.
         xs = tuple(as_array(x) for x in xs)
+        # Values that are themselves being differentiated mean a higher-order
+        # derivative: see `decisions.RoundTrip`, and `differentiated_again` for scans.
+        higher_order = jp.differentiation_mode(xs) is not None
+        token = _HIGHER_ORDER.set(_HIGHER_ORDER.get() or higher_order)
+        try:
+            return _forward(xs, higher_order)
+        finally:
+            _HIGHER_ORDER.reset(token)
+
+    def _forward(xs, higher_order):
         analysis = trace_residuals(
             fun, xs, input_kinds, scope_prefix=scope_prefix, in_scan=in_scan
         )
-        # Values that are themselves being differentiated mean a higher-order
-        # derivative: see `decisions.RoundTrip`.
         decisions, recompute = decide(
-            analysis, input_kinds, base, higher_order=jp.differentiation_mode(xs) is not None,
+            analysis, input_kinds, base, higher_order=higher_order,
             scope_prefix=scope_prefix, in_scan=in_scan,
         )
         stores = Stores(xs, in_scan=in_scan)

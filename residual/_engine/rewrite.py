@@ -22,7 +22,7 @@ from jax import lax
 from .. import _jax_private as jp
 from .._policy import Policy
 from .._scope import innermost_policy, is_marker, policy_of_marker
-from .hooked_call import hooked_call
+from .hooked_call import differentiated_again, hooked_call
 from .residuals import KEPT, PER_ITERATION
 
 
@@ -83,6 +83,10 @@ def _region_policy(scopes: Sequence[str], base: Policy | None) -> Policy | None:
 
 def _scan(eqn: jp.JaxprEqn, invals: list[Any], base: Policy | None,
           scopes: tuple[str, ...], iterations: int | None) -> list[Any]:
+    if differentiated_again():
+        # A higher derivative stores every residual as it is (`decisions.RoundTrip`);
+        # a body with hooks of its own would differentiate through what they packed.
+        return jp.bind_equation(eqn, invals)
     scan = jp.scan_parts(eqn)
     body = scan.body
     n_consts, n_carry = scan.num_consts, scan.num_carry
