@@ -565,8 +565,8 @@ class RecomputePlan:
         })
 
     def _stored_residuals(self, residual_vars: list, recomputed: set[int]) -> dict[Any, tuple]:
-        """Where the backward reads each residual that is stored, not recomputed:
-        `("residual", i)`, the first residual `i` of that variable."""
+        """Where the backward reads each stored residual (not recomputed, not an input):
+        `("residual", i)`, `i` the first residual of that variable."""
         sources: dict[Any, tuple] = {}
         for i, (var, residual) in enumerate(zip(residual_vars, self.analysis.residuals)):
             # A residual that is an input reads as the input: where a `cond` forwards
