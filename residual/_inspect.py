@@ -567,22 +567,33 @@ def _legend(rows: tuple[Row, ...]) -> list[str]:
 def _fitting(columns: list, rows: tuple[Row, ...], width: int) -> list:
     """The columns that fit in `width`: the source first (`file:line` at least), then the
     scope, the name and the policy while each fits whole or at 10 characters."""
-    def needed(column, short=False):
-        cells = [column[0], *(column[1](r) for r in rows)]
-        if short:
-            cells = [c.split(" (")[0] for c in cells]
-        return max(len(c) for c in cells)
-
     fixed = [c for c in columns if not c[2]]
-    room = width - sum(needed(c) + 2 for c in fixed)
+    room = width - sum(_needed_width(c, rows) + 2 for c in fixed)
     chosen = {"source"} if any(c[0] == "source" for c in columns) else set()
-    room -= sum(needed(c, short=True) + 2 for c in columns if c[0] in chosen)
+    room -= sum(_needed_width(c, rows, short=True) + 2 for c in columns if c[0] in chosen)
+    chosen |= _optional_columns(columns, rows, room)
+    return [c for c in columns if not c[2] or c[0] in chosen]
+
+
+def _optional_columns(columns: list, rows: tuple[Row, ...], room: int) -> set[str]:
+    """The titles of the scope, name and policy columns that fit in `room` characters,
+    taken in that order while each fits whole or at 10 characters."""
+    chosen = set()
     for title in ("scope", "name", "policy"):
         column = next((c for c in columns if c[0] == title), None)
-        if column is not None and room >= min(needed(column), 10) + 2:
+        if column is not None and room >= min(_needed_width(column, rows), 10) + 2:
             chosen.add(title)
-            room -= min(needed(column), max(room - 2, 10)) + 2
-    return [c for c in columns if not c[2] or c[0] in chosen]
+            room -= min(_needed_width(column, rows), max(room - 2, 10)) + 2
+    return chosen
+
+
+def _needed_width(column: tuple, rows: tuple[Row, ...], short: bool = False) -> int:
+    """The characters `column` needs for its title and its cell in each of `rows`;
+    `short`, for a source column cut to its `file:line`."""
+    cells = [column[0], *(column[1](r) for r in rows)]
+    if short:
+        cells = [c.split(" (")[0] for c in cells]
+    return max(len(c) for c in cells)
 
 
 def _cut(text: str, width: int, keep_end: bool = False) -> str:

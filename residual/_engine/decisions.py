@@ -555,28 +555,42 @@ class RecomputePlan:
         self._inputs_at = {v: j for j, v in enumerate(jaxpr.invars)}
         self._consts = dict(zip(jaxpr.constvars, analysis.closed.consts))
         self._keep = keep
-        self._sources: dict[Any, tuple] = {}
-        for i, (var, residual) in enumerate(zip(residual_vars, analysis.residuals)):
+        self._sources: dict[Any, tuple] = self._stored_residuals(residual_vars, recomputed)
+        recomputed_vars = [residual_vars[i] for i in sorted(recomputed)]
+        needed = {v for v in recomputed_vars if v not in self._sources
+                  and v not in self._inputs_at and v not in self._consts}
+        self.slice_of: dict[int, Slice] = self._slice_of_each(recomputed, recomputed_vars, needed)
+        self.needed_inputs = sorted({
+            s[1] for part in self.slice_of.values() for s in part.sources if s[0] == "input"
+        })
+
+    def _stored_residuals(self, residual_vars: list, recomputed: set[int]) -> dict[Any, tuple]:
+        """Where the backward reads each stored residual (not recomputed, not an input):
+        `("residual", i)`, `i` the first residual of that variable."""
+        sources: dict[Any, tuple] = {}
+        for i, (var, residual) in enumerate(zip(residual_vars, self.analysis.residuals)):
             # A residual that is an input reads as the input: where a `cond` forwards
             # it from one branch only, the residual itself is zeros in the others.
             if (i not in recomputed and not isinstance(var, jp.Literal)
                     and residual.input_index is None):
-                self._sources.setdefault(var, ("residual", i))
-        recomputed_vars = [residual_vars[i] for i in sorted(recomputed)]
-        needed = {v for v in recomputed_vars if v not in self._sources
-                  and v not in self._inputs_at and v not in self._consts}
+                sources.setdefault(var, ("residual", i))
+        return sources
+
+    def _slice_of_each(self, recomputed: set[int], recomputed_vars: list,
+                       needed: set[Any]) -> dict[int, Slice]:
+        """The slice that produces each recomputed residual, by its index: a slice of
+        the forward's equations, or for a value the backward reads anyway an empty one
+        that passes it on."""
         slices, root, producer = self._slices(needed)
-        self.slice_of: dict[int, Slice] = {}
+        slice_of: dict[int, Slice] = {}
         for i, var in zip(sorted(recomputed), recomputed_vars):
             if var in needed:
                 part = slices[root(producer[var])]
             else:  # stored anyway (an input, another residual's value)
                 part = Slice([], [var], [self._source(var)], [])
             part.outputs.append((i, var))
-            self.slice_of[i] = part
-        self.needed_inputs = sorted({
-            s[1] for part in self.slice_of.values() for s in part.sources if s[0] == "input"
-        })
+            slice_of[i] = part
+        return slice_of
 
     def run(self, part: Slice, inputs: Sequence[Any]) -> dict[int, Any]:
         """The residuals `part` produces, from the values of its inputs."""

@@ -198,20 +198,34 @@ def _run_backward(restores: Restores, cts: list, *, ordered: bool) -> list:
 
     constant = set(jaxpr.constvars)
     for eqn in jaxpr.eqns:
-        known = [env[v] for v in eqn.invars
-                 if not isinstance(v, jp.Literal) and v in env and v not in constant]
-        tie = next((x for x in known if x.size and jnp.issubdtype(x.dtype, jnp.inexact)),
-                   None) if ordered else None
+        tie = _tie(eqn, env, constant) if ordered else None
         invals = [read(v, tie) for v in eqn.invars]
-        if (axis := jp.stack_axis(eqn)) is not None:
-            with jp.name_stack_context(eqn):
-                outs = [_stacked(invals, axis)]
-        else:
-            outs = jp.bind_equation(eqn, invals)
-        env.update(zip(eqn.outvars, outs))
-        if all(isinstance(v, jp.Literal) or v in constant for v in eqn.invars):
+        env.update(zip(eqn.outvars, _applied(eqn, invals)))
+        if _reads_only_constants(eqn, constant):
             constant.update(eqn.outvars)
     return [read(v, None) for v in jaxpr.outvars]
+
+
+def _tie(eqn: Any, env: dict[Any, Any], constant: set[Any]) -> Any:
+    """What the residuals `eqn` restores wait for: the first value `eqn` reads that the
+    backward has computed, not from constants alone, and that is a non-empty float
+    array; None if there is none."""
+    known = [env[v] for v in eqn.invars
+             if not isinstance(v, jp.Literal) and v in env and v not in constant]
+    return next((x for x in known if x.size and jnp.issubdtype(x.dtype, jnp.inexact)), None)
+
+
+def _applied(eqn: Any, invals: list) -> list:
+    """The outputs of `eqn` at `invals`; a `stack` of the backward as `_stacked` builds it."""
+    if (axis := jp.stack_axis(eqn)) is not None:
+        with jp.name_stack_context(eqn):
+            return [_stacked(invals, axis)]
+    return jp.bind_equation(eqn, invals)
+
+
+def _reads_only_constants(eqn: Any, constant: set[Any]) -> bool:
+    """Whether every value `eqn` reads is a literal or computed from constants alone."""
+    return all(isinstance(v, jp.Literal) or v in constant for v in eqn.invars)
 
 
 def _stacked(values: Sequence[Any], axis: int) -> Any:

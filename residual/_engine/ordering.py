@@ -53,32 +53,56 @@ def ordered(
     values = list(values)
     if forward:
         return _ordered_forward(values)
-    take = (lambda vs: [view(vs[0])]) if view is not None else (lambda vs: vs)
     movable = [i for i, v in enumerate(values) if _movable(v)]
     if not jp.is_staged() or not movable or (tie is None and not probe_self):
         # In eager mode each operation runs on its own, and the conditionals would be
         # compiled anew on every call.
-        return take(values)
+        return _viewed(values, view)
     chosen = [values[i] for i in movable]
     if several_devices([*chosen, tie]):
-        if view is not None:
-            # A view of an input (a layer's slice of stacked weights) taken after a
-            # barrier is a new value: XLA gathers it again for the backward where it
-            # shares the forward's gathered copy (FSDP: one more all-gather a layer).
-            return take(values)
-        # XLA's SPMD partitioner replicates what flows through a conditional, which
-        # would all-gather sharded activations: with several devices, a barrier
-        # (kept by the GPU pipeline) orders the work after `tie` instead.
-        chosen = _barrier_after(chosen, tie)
-        for i, value in zip(movable, chosen):
-            values[i] = value
-        return take(values)
+        return _viewed(_ordered_by_barrier(values, movable, tie, view is not None), view)
+    return _ordered_by_conditional(values, movable, tie, view)
+
+
+def _viewed(values: list[Any], view: Callable[[Any], Any] | None) -> list[Any]:
+    """`values` as `ordered` returns them: `[view(values[0])]` when there is a view."""
+    return [view(values[0])] if view is not None else values
+
+
+def _ordered_by_barrier(
+    values: list[Any], movable: list[int], tie: Any, has_view: bool
+) -> list[Any]:
+    """`values`, those at `movable` ordered after `tie` by an optimization barrier: the
+    ordering used when the program may be partitioned over several devices."""
+    if has_view:
+        # A view of an input (a layer's slice of stacked weights) taken after a
+        # barrier is a new value: XLA gathers it again for the backward where it
+        # shares the forward's gathered copy (FSDP: one more all-gather a layer).
+        return values
+    # XLA's SPMD partitioner replicates what flows through a conditional, which
+    # would all-gather sharded activations: with several devices, a barrier
+    # (kept by the GPU pipeline) orders the work after `tie` instead.
+    return _replaced(values, movable, _barrier_after([values[i] for i in movable], tie))
+
+
+def _ordered_by_conditional(
+    values: list[Any], movable: list[int], tie: Any, view: Callable[[Any], Any] | None
+) -> list[Any]:
+    """`values`, those at `movable` passed through a conditional on `tie` (`passed_after`),
+    or on the first of them when there is no tie; with a view, only the viewed value."""
+    chosen = [values[i] for i in movable]
     # Only when nothing of the backward is at hand does the probe read the value
     # itself: XLA would compute that element from the float residual, keeping it alive.
     probe = tie if tie is not None else chosen[0]
     if view is not None:
         return [passed_after(probe, chosen[0], view)]
-    for i, value in zip(movable, passed_after(probe, chosen)):
+    return _replaced(values, movable, passed_after(probe, chosen))
+
+
+def _replaced(values: list[Any], indices: list[int], replacements: Sequence[Any]) -> list[Any]:
+    """A copy of `values` with the value at each of `indices` replaced, in order."""
+    values = list(values)
+    for i, value in zip(indices, replacements):
         values[i] = value
     return values
 
@@ -133,10 +157,7 @@ def _barrier_after(values: list[Any], tie: Any) -> list[Any]:
     if not tied:
         return values
     out, _ = lax.optimization_barrier(([values[i] for i in tied], tie))
-    values = list(values)
-    for i, value in zip(tied, out):
-        values[i] = value
-    return values
+    return _replaced(values, tied, out)
 
 
 def _copy(tree):

@@ -241,11 +241,7 @@ class _DerivativeRules:
         if source is None:
             return None
         if self.by_source is None:
-            self.position = {id(e): i for i, e in enumerate(self.jaxpr.eqns)}
-            self.by_source = {}
-            for e in self.jaxpr.eqns:
-                if any(v in self.primal_vars for v in e.outvars):
-                    self.by_source.setdefault(jp.user_source(e), []).append(e)
+            self._index_primal_equations()
         position = self.position.get(id(eqn))
         if position is None:
             return None
@@ -253,13 +249,30 @@ class _DerivativeRules:
         # A rule's equations follow the operation they differentiate: of those on the
         # line (`tanh(x) ** 2` has two), the nearest one before it.
         for e in reversed(self.by_source.get(source, ())):
-            if self.position[id(e)] > position:
-                continue
-            related = [*e.outvars, *(v for v in e.invars if not isinstance(v, jp.Literal))]
-            if not operands.isdisjoint(related):
-                name = e.primitive.name
-                return str(e.params.get("name", name)) if name in ("jit", "pjit") else name
+            if self.position[id(e)] <= position and _shares_a_value(e, operands):
+                return _operation_name(e)
         return None
+
+    def _index_primal_equations(self) -> None:
+        """Numbers every equation and groups those on the way to the outputs by source
+        line; built only once a residual of a derivative rule needs it."""
+        self.position = {id(e): i for i, e in enumerate(self.jaxpr.eqns)}
+        self.by_source = {}
+        for e in self.jaxpr.eqns:
+            if any(v in self.primal_vars for v in e.outvars):
+                self.by_source.setdefault(jp.user_source(e), []).append(e)
+
+
+def _shares_a_value(eqn: Any, operands: set[Any]) -> bool:
+    """Whether `eqn` computes one of `operands` or reads one of them too."""
+    related = [*eqn.outvars, *(v for v in eqn.invars if not isinstance(v, jp.Literal))]
+    return not operands.isdisjoint(related)
+
+
+def _operation_name(eqn: Any) -> str:
+    """The name the user knows `eqn` by: a `jit`'s function name, else the primitive's."""
+    name = eqn.primitive.name
+    return str(eqn.params.get("name", name)) if name in ("jit", "pjit") else name
 
 
 def _frames(origin: _Provenance) -> tuple[str, ...]:
@@ -332,22 +345,13 @@ def _traced_into_bodies(eqn: Any, k: int, producers: dict, inputs_at: dict,
                         origin: _Provenance) -> bool:
     """Follows output `k` of a call-like `eqn` into its bodies; whether that settled it."""
     bodies = _inner_jaxprs(eqn, k)
-    inner = []
-    for jaxpr, operands, out_index, in_scan in bodies:
-        inner_origin = _Provenance(scopes=[], in_scan=origin.in_scan or in_scan)
-        inner_inputs = {v: i for i, v in enumerate(jaxpr.invars)}
-        _trace_origin(jaxpr.outvars[out_index], _producers(jaxpr), inner_inputs, inner_origin)
-        # A `cond` branch may fill in zeros for another branch's residual; in a
-        # single body (`jit`, `checkpoint`), a broadcast constant is the residual itself.
-        if not (inner_origin.literal or (inner_origin.zeros and len(bodies) > 1)):
-            inner.append((inner_origin, operands))
-    # Compared by identity: an operand may be a (unhashable) literal.
-    forwarded = [_forwarded_operand(o, operands) for o, operands in inner]
-    if forwarded and forwarded[0] is not None and all(f is forwarded[0] for f in forwarded):
+    inner = _body_origins(bodies, origin.in_scan)
+    operand = _common_forwarded_operand(inner)
+    if operand is not None:
         # Every body that sets it forwards the same operand: keep walking outside.
         # (`cond` may merge the residuals of different branches into one output,
         # and then it is the operand only in some of them.)
-        _trace_origin(forwarded[0], producers, inputs_at, origin)
+        _trace_origin(operand, producers, inputs_at, origin)
         return True
     if bodies and not inner:
         origin.literal = True
@@ -356,12 +360,42 @@ def _traced_into_bodies(eqn: Any, k: int, producers: dict, inputs_at: dict,
     if first is None or (first.eqn is None and not first.packed):
         return False
     # The first body that computes it names it (`cond` branches compute it alike).
+    _take_body_origin(origin, eqn, first)
+    return True
+
+
+def _body_origins(bodies: list, in_scan: bool) -> list[tuple[_Provenance, Sequence[Any]]]:
+    """`(origin, operands)` of the output in each body that computes it, not a literal
+    or (where there are several bodies) the zeros another body's residual leaves."""
+    inner = []
+    for jaxpr, operands, out_index, body_in_scan in bodies:
+        inner_origin = _Provenance(scopes=[], in_scan=in_scan or body_in_scan)
+        inner_inputs = {v: i for i, v in enumerate(jaxpr.invars)}
+        _trace_origin(jaxpr.outvars[out_index], _producers(jaxpr), inner_inputs, inner_origin)
+        # A `cond` branch may fill in zeros for another branch's residual; in a
+        # single body (`jit`, `checkpoint`), a broadcast constant is the residual itself.
+        if not (inner_origin.literal or (inner_origin.zeros and len(bodies) > 1)):
+            inner.append((inner_origin, operands))
+    return inner
+
+
+def _common_forwarded_operand(inner: list[tuple[_Provenance, Sequence[Any]]]) -> Any:
+    """The outer operand every body returns unchanged, when they all return the same
+    one; else `None`."""
+    # Compared by identity: an operand may be a (unhashable) literal.
+    forwarded = [_forwarded_operand(o, operands) for o, operands in inner]
+    if forwarded and forwarded[0] is not None and all(f is forwarded[0] for f in forwarded):
+        return forwarded[0]
+    return None
+
+
+def _take_body_origin(origin: _Provenance, eqn: Any, first: _Provenance) -> None:
+    """Fills in `origin` from `first`, the origin inside a body of the call `eqn`."""
     origin.scopes.extend([*jp.scope_names(eqn), *first.scopes])
     for field in ("eqn", "primitive", "packed", "in_scan"):
         setattr(origin, field, getattr(first, field))
     origin.enclosing = [*first.enclosing, eqn]
     origin.name = origin.name or first.name
-    return True
 
 
 def _produced_by(eqn: Any, var: Any, producers: dict, inputs_at: dict,

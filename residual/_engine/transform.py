@@ -127,15 +127,7 @@ def _call(f: Callable, explicit: Policy | None, args: tuple, kwargs: dict) -> An
     # reverse mode can differentiate, not a `while_loop`, which it cannot.
     traced = [not _concrete_count(x) for x in leaves]
     out_parts: dict[str, Any] = {}
-
-    def flat_f(*xs):
-        given = iter(xs)
-        xs = [next(given) if t else x for t, x in zip(traced, leaves)]
-        a, k = eqx.combine(jax.tree.unflatten(treedef, xs), static)
-        out_dynamic, out_parts["static"] = eqx.partition(f(*a, **k), eqx.is_array)
-        out_leaves, out_parts["treedef"] = jax.tree.flatten(out_dynamic)
-        return out_leaves
-
+    flat_f = _flat_function(f, leaves, treedef, static, traced, out_parts)
     traced_leaves = [x for t, x in zip(traced, leaves) if t]
     scope = saved_tensors_hooks(policy=explicit) if explicit else contextlib.nullcontext()
     try:
@@ -149,21 +141,46 @@ def _call(f: Callable, explicit: Policy | None, args: tuple, kwargs: dict) -> An
         with disable_saved_tensors_hooks(_untraceable_message(f, e, inner_scope=True)):
             return f(*args, **kwargs)
     base = explicit if explicit is not None else current_policy()
+    outs = _hooked_outputs(closed, traced_leaves, base)
+    out = jax.tree.unflatten(out_parts["treedef"], outs)
+    return eqx.combine(out, out_parts["static"])
+
+
+def _flat_function(
+    f: Callable, leaves: list, treedef: Any, static: Any, traced: list[bool], out_parts: dict
+) -> Callable:
+    """`f` as a function of its traced array leaves only, returning its output's array
+    leaves; it records the output's structure and static part in `out_parts`, for
+    `_call` to rebuild the output."""
+
+    def flat_f(*xs):
+        given = iter(xs)
+        xs = [next(given) if t else x for t, x in zip(traced, leaves)]
+        a, k = eqx.combine(jax.tree.unflatten(treedef, xs), static)
+        out_dynamic, out_parts["static"] = eqx.partition(f(*a, **k), eqx.is_array)
+        out_leaves, out_parts["treedef"] = jax.tree.flatten(out_dynamic)
+        return out_leaves
+
+    return flat_f
+
+
+def _hooked_outputs(closed: Any, traced_leaves: list, base: Policy | None) -> list:
+    """The outputs of the traced program `closed` at `traced_leaves`, its residuals
+    stored as `base` and the scopes inside it decide; the program as it is when there
+    is nothing to hook."""
     # Constants `f` closes over become inputs, so they get gradients too.
     inputs = [*closed.consts, *traced_leaves]
     n_consts = len(closed.consts)
 
     if base is None and not has_markers(closed.jaxpr):
-        outs = jp.jaxpr_as_fun(closed)(*traced_leaves)
-    else:
-        def fun(*xs):
-            return interpret(closed.jaxpr, xs[:n_consts], xs[n_consts:], base)
+        return jp.jaxpr_as_fun(closed)(*traced_leaves)
 
-        # Scopes around the call name the residuals; hooks around it are `base`.
-        prefix = tuple(s for s in jp.current_scope_names() if not is_marker(s))
-        outs = hooked_call(fun, inputs, [KEPT] * len(inputs), base, scope_prefix=prefix)
-    out = jax.tree.unflatten(out_parts["treedef"], outs)
-    return eqx.combine(out, out_parts["static"])
+    def fun(*xs):
+        return interpret(closed.jaxpr, xs[:n_consts], xs[n_consts:], base)
+
+    # Scopes around the call name the residuals; hooks around it are `base`.
+    prefix = tuple(s for s in jp.current_scope_names() if not is_marker(s))
+    return hooked_call(fun, inputs, [KEPT] * len(inputs), base, scope_prefix=prefix)
 
 
 # What tracing raises where `f` needs a concrete value: Python control flow on it

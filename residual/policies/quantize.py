@@ -151,53 +151,13 @@ class Quantize(Policy):
             object.__setattr__(self, label, value)
         object.__setattr__(self, "stochastic", check_bool("Quantize", "stochastic",
                                                           self.stochastic))
-        if not isinstance(self.format, str):
-            raise TypeError(
-                f"`format` must be a string, one of {_FORMATS}, but got "
-                f"{type(self.format).__name__}: {self.format!r}."
-            )
-        if self.format not in _FORMATS:
-            raise ValueError(
-                f"`format` must be one of {_FORMATS}, but got {self.format!r}."
-            )
-        if self.format == "int" and self.bits not in _BITS:
-            raise ValueError(
-                f"`bits` must be one of {_BITS} for integer codes, but got {self.bits!r}. "
-                "Codes are packed into bytes, so the width must divide 8."
-            )
-        if self.format != "int" and self.bits != 8:
-            raise ValueError(
-                f"`format={self.format!r}` stores 8 bits per element, but got bits="
-                f"{self.bits!r}. Use `bits=8`, or `format='int'` for 4 or 2 bits."
-            )
-        if not isinstance(self.grid, str):
-            raise TypeError(
-                f"`grid` must be a string, one of {_GRIDS}, but got "
-                f"{type(self.grid).__name__}: {self.grid!r}."
-            )
-        if self.grid not in _GRIDS:
-            raise ValueError(
-                f"`grid` must be one of {_GRIDS}, but got {self.grid!r}: 'auto' puts the "
-                "groups it suits on a square grid, 'uniform' keeps evenly spaced values."
-            )
+        _check_format(self.format, self.bits)
+        _check_grid(self.grid)
         if self.format != "int" and self.stochastic:
             raise ValueError(
                 "`stochastic=True` is implemented for `format='int'`; fp8 rounds to nearest."
             )
-        try:
-            scale = None if self.scale_dtype is None else np.dtype(self.scale_dtype)
-        except TypeError:
-            scale = None
-        if scale is None:
-            raise TypeError(
-                f"`scale_dtype` must be a dtype, jnp.float32 or jnp.bfloat16, but got "
-                f"{type(self.scale_dtype).__name__}: {self.scale_dtype!r}."
-            )
-        if scale not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
-            raise ValueError(
-                f"`scale_dtype` must be jnp.float32 or jnp.bfloat16, but got {self.scale_dtype!r}."
-            )
-        object.__setattr__(self, "scale_dtype", scale)
+        object.__setattr__(self, "scale_dtype", _checked_scale_dtype(self.scale_dtype))
 
     def resolve(self, info: ResidualInfo) -> Policy | None:
         if not worth_packing(info) or info.nbytes < self.min_bytes:
@@ -338,6 +298,61 @@ class Quantize(Policy):
         values = grid * jnp.abs(scale)
         values = jnp.where(jnp.signbit(scale) & (codes == 0), jnp.nan, values)
         return layout.merge(values).astype(info.dtype)
+
+
+def _check_format(code_format: Any, bits: int) -> None:
+    """Raises unless `code_format` is one of `_FORMATS` and `bits` a width it stores."""
+    if not isinstance(code_format, str):
+        raise TypeError(
+            f"`format` must be a string, one of {_FORMATS}, but got "
+            f"{type(code_format).__name__}: {code_format!r}."
+        )
+    if code_format not in _FORMATS:
+        raise ValueError(
+            f"`format` must be one of {_FORMATS}, but got {code_format!r}."
+        )
+    if code_format == "int" and bits not in _BITS:
+        raise ValueError(
+            f"`bits` must be one of {_BITS} for integer codes, but got {bits!r}. "
+            "Codes are packed into bytes, so the width must divide 8."
+        )
+    if code_format != "int" and bits != 8:
+        raise ValueError(
+            f"`format={code_format!r}` stores 8 bits per element, but got bits="
+            f"{bits!r}. Use `bits=8`, or `format='int'` for 4 or 2 bits."
+        )
+
+
+def _check_grid(grid: Any) -> None:
+    """Raises unless `grid` is one of `_GRIDS`."""
+    if not isinstance(grid, str):
+        raise TypeError(
+            f"`grid` must be a string, one of {_GRIDS}, but got "
+            f"{type(grid).__name__}: {grid!r}."
+        )
+    if grid not in _GRIDS:
+        raise ValueError(
+            f"`grid` must be one of {_GRIDS}, but got {grid!r}: 'auto' puts the "
+            "groups it suits on a square grid, 'uniform' keeps evenly spaced values."
+        )
+
+
+def _checked_scale_dtype(scale_dtype: Any) -> np.dtype:
+    """`scale_dtype` as a NumPy dtype; raises unless it is float32 or bfloat16."""
+    try:
+        scale = None if scale_dtype is None else np.dtype(scale_dtype)
+    except TypeError:
+        scale = None
+    if scale is None:
+        raise TypeError(
+            f"`scale_dtype` must be a dtype, jnp.float32 or jnp.bfloat16, but got "
+            f"{type(scale_dtype).__name__}: {scale_dtype!r}."
+        )
+    if scale not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
+        raise ValueError(
+            f"`scale_dtype` must be jnp.float32 or jnp.bfloat16, but got {scale_dtype!r}."
+        )
+    return scale
 
 
 def _cond(pred, true_fun, false_fun, *operands):
