@@ -302,15 +302,7 @@ class Quantize(Policy):
 
 def _check_format(code_format: Any, bits: int) -> None:
     """Raises unless `code_format` is one of `_FORMATS` and `bits` a width it stores."""
-    if not isinstance(code_format, str):
-        raise TypeError(
-            f"`format` must be a string, one of {_FORMATS}, but got "
-            f"{type(code_format).__name__}: {code_format!r}."
-        )
-    if code_format not in _FORMATS:
-        raise ValueError(
-            f"`format` must be one of {_FORMATS}, but got {code_format!r}."
-        )
+    _check_choice("format", code_format, _FORMATS)
     if code_format == "int" and bits not in _BITS:
         raise ValueError(
             f"`bits` must be one of {_BITS} for integer codes, but got {bits!r}. "
@@ -325,16 +317,19 @@ def _check_format(code_format: Any, bits: int) -> None:
 
 def _check_grid(grid: Any) -> None:
     """Raises unless `grid` is one of `_GRIDS`."""
-    if not isinstance(grid, str):
+    _check_choice("grid", grid, _GRIDS, ": 'auto' puts the groups it suits on a square "
+                  "grid, 'uniform' keeps evenly spaced values")
+
+
+def _check_choice(field: str, value: Any, choices: tuple[str, ...], why: str = "") -> None:
+    """Raises unless `value`, the field `field`, is one of the strings `choices`."""
+    if not isinstance(value, str):
         raise TypeError(
-            f"`grid` must be a string, one of {_GRIDS}, but got "
-            f"{type(grid).__name__}: {grid!r}."
+            f"`{field}` must be a string, one of {choices}, but got "
+            f"{type(value).__name__}: {value!r}."
         )
-    if grid not in _GRIDS:
-        raise ValueError(
-            f"`grid` must be one of {_GRIDS}, but got {grid!r}: 'auto' puts the "
-            "groups it suits on a square grid, 'uniform' keeps evenly spaced values."
-        )
+    if value not in choices:
+        raise ValueError(f"`{field}` must be one of {choices}, but got {value!r}{why}.")
 
 
 def _checked_scale_dtype(scale_dtype: Any) -> np.dtype:
