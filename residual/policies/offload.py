@@ -55,7 +55,7 @@ class Offload(Policy):
                 f"got {type(self.memory_kind).__name__}: {self.memory_kind!r}."
             )
         device = jax.local_devices()[0]
-        available = [m.kind for m in device.addressable_memories()]
+        available = _memory_kinds()
         if self.memory_kind not in _HOST_KINDS or self.memory_kind not in available:
             hosts = [k for k in available if k in _HOST_KINDS]
             raise ValueError(
@@ -122,8 +122,12 @@ def save_on_cpu(pin_memory: bool = False) -> saved_tensors_hooks:
         >>> with residual.save_on_cpu(pin_memory=True):
         ...     g = jax.grad(f)(jnp.zeros(2))
     """
-    kinds = [m.kind for m in jax.local_devices()[0].addressable_memories()]
-    return saved_tensors_hooks(policy=Offload(host_memory_kind(pin_memory, kinds)))
+    return saved_tensors_hooks(policy=Offload(host_memory_kind(pin_memory, _memory_kinds())))
+
+
+def _memory_kinds() -> list[str]:
+    """The memory kinds of this process's first device (`"device"`, `"pinned_host"`, ...)."""
+    return [m.kind for m in jax.local_devices()[0].addressable_memories()]
 
 
 def host_memory_kind(pin_memory: bool, kinds) -> str:
