@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         inspect_parser.error("give the function's arguments: one --arg per argument "
                              "(e.g. --arg f32[256,1024]), or --args MODULE:NAME")
     from ._errors import TargetUnavailableError
-    from ._inspect import inspect as inspect_fn
+    from ._inspect.analysis import inspect as inspect_fn
     from ._target import DoesNotFitError, resolve
 
     try:

@@ -12,7 +12,7 @@ import optax
 
 from ._engine.transform import with_hooks
 from ._gradcheck import gradcheck
-from ._inspect import inspect
+from ._inspect.analysis import inspect
 from .policies import Quantize
 
 

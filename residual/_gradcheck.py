@@ -15,7 +15,7 @@ import numpy as np
 from ._engine.record import recording
 from ._engine.transform import with_hooks
 from ._info import ResidualInfo
-from ._inspect import nothing_packed
+from ._inspect.analysis import nothing_packed
 from ._measure import backward, worst_argument_error
 from ._memory import Memory
 from ._policy import FunctionHooks, Policy, as_policy

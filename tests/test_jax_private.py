@@ -283,7 +283,7 @@ def test_compile_with_dumps_writes_the_buffer_assignment_and_live_ranges():
     # XLA names its dumps and lays out their text per release: the parsed program's
     # arguments must come to the compiler's own argument bytes, and every buffer
     # live at some position of the program's order.
-    from residual import _buffers
+    from residual._inspect import buffers as _buffers
 
     x = jnp.ones((256, 128))
     lowered = jax.jit(jax.grad(lambda x: jnp.sum(jnp.tanh(x) ** 2))).lower(x)

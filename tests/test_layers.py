@@ -5,7 +5,7 @@ listed before it, and no private name (`_x`) is imported from another module.
                 _measure, _memory, _placement, _target
     engine      _engine/         (how `with_hooks` finds and stores residuals)
     policies    policies/        (what to do with each residual)
-    tools       _inspect, _peak, _buffers, _gradcheck, _plan/, _demo, __main__, __init__
+    tools       _inspect/, _gradcheck, _plan/, _demo, __main__, __init__
 
 A module that fits none of them fails here until it is given a layer.
 """
@@ -24,8 +24,7 @@ LAYERS = {
                    "_format", "_measure", "_memory", "_placement", "_target"},
     "engine": {"_engine"},
     "policies": {"policies"},
-    "tools": {"_inspect", "_peak", "_buffers", "_gradcheck", "_plan", "_demo", "__main__",
-              "__init__"},
+    "tools": {"_inspect", "_gradcheck", "_plan", "_demo", "__main__", "__init__"},
 }
 ORDER = list(LAYERS)
 

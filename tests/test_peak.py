@@ -164,7 +164,7 @@ def test_a_recomputed_residual_the_compiler_keeps_anyway_is_flagged():
     # then keeps them for the backward instead of recomputing them (common-subexpression
     # elimination), which an unrolled MLP's peak does not punish. The gradient alone
     # needs the activations for nothing but the backward: there, they are recomputed.
-    from residual import _peak
+    from residual._inspect import peak as _peak
     from residual._target import resolve
 
     layers = 6

@@ -14,12 +14,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _buffers
-from . import _jax_private as jp
-from ._format import size
-from ._inspect import footer
-from ._memory import Memory
-from ._source import file_label, is_library
+from .. import _jax_private as jp
+from .._format import size
+from .._memory import Memory
+from .._source import file_label, is_library
+from . import buffers
+from .report import footer
 
 # What each kind of row is, for the legends.
 KINDS = {
@@ -35,7 +35,7 @@ KINDS = {
 
 # The memory spaces each platform's compiler counts in its peak: device memory, and on
 # TPU the on-chip memory it moves values into (listed as a space of its own).
-_COUNTED = {"tpu": (_buffers.DEVICE, 1)}
+_COUNTED = {"tpu": (buffers.DEVICE, 1)}
 _SPARK = " ▁▂▃▄▅▆▇█"
 
 
@@ -61,7 +61,7 @@ class PeakRow:
     unpadded: int
     op: str
     source: str | None
-    space: int = _buffers.DEVICE
+    space: int = buffers.DEVICE
 
     @property
     def padding(self) -> float:
@@ -267,7 +267,7 @@ def peak(fn: Callable | jax.stages.Lowered, *args: Any, target: Any = None,
         >>> sum(r.bytes for r in p.rows) == p.memory.peak
         True
     """
-    from ._target import resolve
+    from .._target import resolve
 
     if isinstance(fn, jax.stages.Compiled):
         raise TypeError(
@@ -298,17 +298,17 @@ def peak(fn: Callable | jax.stages.Lowered, *args: Any, target: Any = None,
 
 
 def read(compiled: jax.stages.Compiled, texts: dict[str, str],
-         target: str | None) -> tuple[Peak, _buffers.Program]:
+         target: str | None) -> tuple[Peak, buffers.Program]:
     """The `Peak` of a program compiled with XLA's texts (`compile_with_dumps`), and the
     parsed program it was read from."""
     memory = Memory.of(compiled)
-    program = _buffers.parse(texts["module"], texts["assignment"], texts["live_ranges"])
+    program = buffers.parse(texts["module"], texts["assignment"], texts["live_ranges"])
     return from_program(program, memory, target or memory.platform), program
 
 
-def from_program(program: _buffers.Program, memory: Memory, target: str) -> Peak:
+def from_program(program: buffers.Program, memory: Memory, target: str) -> Peak:
     """The `Peak` of a parsed program whose compiler's figures are `memory`."""
-    spaces = _COUNTED.get(memory.platform, (_buffers.DEVICE,))
+    spaces = _COUNTED.get(memory.platform, (buffers.DEVICE,))
     timeline = sum(program.live_bytes(s) for s in spaces)
     position = int(np.argmax(timeline))
     backward = _backward_start(program)
@@ -332,14 +332,14 @@ def from_program(program: _buffers.Program, memory: Memory, target: str) -> Peak
             f"({size(waste)} of padding at the peak): arrays whose last two dimensions "
             "are small (per-group statistics, narrow heads) occupy whole tiles there."
         )
-    host = sum(b.bytes for b in program.live_at(position, _buffers.HOST))
+    host = sum(b.bytes for b in program.live_at(position, buffers.HOST))
     return Peak(memory, tuple(rows), timeline, position, backward, target, host, tuple(notes))
 
 
-def _grouped(live: list[_buffers.Buffer], backward: int | None) -> list[PeakRow]:
+def _grouped(live: list[buffers.Buffer], backward: int | None) -> list[PeakRow]:
     """The buffers live at the peak as rows, one per kind, array type, operation, source
     line and memory space, largest first."""
-    groups: dict[tuple, list[_buffers.Buffer]] = {}
+    groups: dict[tuple, list[buffers.Buffer]] = {}
     for b in live:
         kind = _kind(b, backward)
         # Arguments and outputs are named, not made: one row per array type.
@@ -356,7 +356,7 @@ def _grouped(live: list[_buffers.Buffer], backward: int | None) -> list[PeakRow]
     return rows
 
 
-def _backward_start(program: _buffers.Program) -> int | None:
+def _backward_start(program: buffers.Program) -> int | None:
     """Where the backward pass starts: after the last operation of the forward (JAX names
     them `jvp(...)`), when there are operations of the backward (`transpose(...)`).
 
@@ -375,7 +375,7 @@ def _backward_start(program: _buffers.Program) -> int | None:
     return first_backward if last_forward is None else last_forward + 1
 
 
-def _kind(b: _buffers.Buffer, backward: int | None) -> str:
+def _kind(b: buffers.Buffer, backward: int | None) -> str:
     if b.role != "temporary":
         return b.role
     # A backward value the scheduler made early (zeros for a cotangent) is no residual.
@@ -413,7 +413,7 @@ def _opcode(name: str) -> str:
     return re.sub(r"(\.\d+)?(\{[\d,]*\})?$", "", name)
 
 
-def _names(buffers: list[_buffers.Buffer]) -> str:
+def _names(buffers: list[buffers.Buffer]) -> str:
     """`ws[0]`, or `ws[0] and 5 more`: the names of arguments or outputs."""
     names = sorted(b.op_name or b.name for b in buffers)
     return names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
@@ -444,7 +444,7 @@ def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(width - 3, 0)] + "..."
 
 
-def unkept_decisions(peak: Peak, program: _buffers.Program, rows) -> list[str]:
+def unkept_decisions(peak: Peak, program: buffers.Program, rows) -> list[str]:
     """Residuals a policy packed, offloaded or recomputed whose float the compiled program
     still keeps for the backward: a decision without effect, one sentence each.
 
@@ -490,11 +490,11 @@ def _unkept_of_type(array: str, group: list, kept_floats: list[str]) -> list[str
 
 
 def _floats_kept_across_backward(peak: Peak,
-                                 program: _buffers.Program) -> dict[str, list[str]]:
+                                 program: buffers.Program) -> dict[str, list[str]]:
     """The program's temporaries of each array type that live across the start of the
     backward (a transpose's own buffers aside), each slot once, by the operation that
     made them."""
-    spaces = _COUNTED.get(peak.memory.platform, (_buffers.DEVICE,))
+    spaces = _COUNTED.get(peak.memory.platform, (buffers.DEVICE,))
     kept_floats: dict[str, list[str]] = {}
     slots = set()
     for b in program.buffers:
