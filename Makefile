@@ -21,10 +21,10 @@ DEMO_STAMP := $(VENV)/.installed-demo
 # (as `make -j2 test-jax` does in CI, where the two suites already share the cores).
 PYTEST_WORKERS ?= auto
 
-# Compiling for TPUs and GPUs that are not here (`target=`, tests/test_target.py): libtpu
-# loads in one process at a time unless told otherwise (the suites of `make -j2 test-jax`
-# run side by side), and JAX's CUDA plugin registers without a GPU once its runtime check
-# is skipped. Nothing runs on those devices.
+# Compiling for TPUs and GPUs that are not here (`target=`,
+# tests/foundation/test_target.py): libtpu loads in one process at a time unless told
+# otherwise (the suites of `make -j2 test-jax` run side by side), and JAX's CUDA plugin
+# registers without a GPU once its runtime check is skipped. Nothing runs on those devices.
 export ALLOW_MULTIPLE_LIBTPU_LOAD := 1
 export JAX_SKIP_CUDA_CONSTRAINTS_CHECK := 1
 
@@ -66,7 +66,7 @@ define suite
 	@$(1)/bin/python -c "import jax, sys; print(f'== jax {jax.__version__}, Python {sys.version.split()[0]}')"
 	$(1)/bin/python -m ruff check residual tests benchmarks
 	$(1)/bin/python -m pytest -n $(PYTEST_WORKERS) --durations=15 residual tests docs
-	$(1)/bin/python -m pytest tests/multidevice
+	$(1)/bin/python -m pytest tests/integration/multidevice
 	$(1)/bin/python -m pytest --nbmake notebooks
 endef
 
@@ -74,7 +74,7 @@ endef
 define flax_oldest
 	PYTHONPATH=$(1)/flax-oldest $(1)/bin/python -c "import flax; print(f'== flax {flax.__version__}')"
 	PYTHONPATH=$(1)/flax-oldest $(1)/bin/python -m pytest -n $(PYTEST_WORKERS) -k nnx \
-		tests/test_nnx.py tests/test_libraries.py docs/guides/flax-nnx.md
+		tests/engine/test_nnx.py tests/integration/test_libraries.py docs/guides/flax-nnx.md
 endef
 
 suite: $(STAMP)

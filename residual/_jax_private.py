@@ -5,7 +5,7 @@ is tracing a value, how to re-bind one jaxpr equation with its source informatio
 dead-code elimination of a jaxpr, and how the equations of control flow (`scan`,
 `cond`, `jit`, `checkpoint`) hold their bodies and parameters, which changes between
 releases. Equations are recognized by primitive object (from `jax.extend.core`), never
-by name. `tests/test_jax_private.py` exercises each of them, so a JAX release that
+by name. `tests/foundation/test_jax_private.py` exercises each of them, so a JAX release that
 changes them fails loudly there instead of deep in a trace.
 """
 

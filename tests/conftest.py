@@ -1,6 +1,6 @@
 import os
 
-# Compile-only targets (tests/test_target.py). libtpu lets one process load it at a time
+# Compile-only targets (tests/foundation/test_target.py). libtpu lets one process load it at a time
 # unless told otherwise, and every pytest-xdist worker loads it (as does every suite that
 # `make -j2 test-jax` runs side by side); nothing runs on those TPUs. JAX's CUDA plugin,
 # finding no CUDA runtime on a machine without a GPU, registers (for compiling only) when
@@ -44,7 +44,7 @@ def upgrade_flag(request):
         jax.config.update(f, value)
 
 
-# Property tests (tests/test_fuzz.py): a bounded profile for CI, a long one on request
+# Property tests (tests/integration/test_fuzz.py): a bounded profile for CI, a long one on request
 # with `RESIDUAL_FUZZ_PROFILE=long`. Programs are traced and compiled per example, so
 # there is no per-example deadline.
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large]

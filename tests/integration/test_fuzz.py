@@ -19,6 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -26,6 +27,8 @@ from jax import lax
 import residual
 from residual import policies as rp
 from residual._info import ResidualInfo
+
+pytestmark = pytest.mark.slow  # many examples, each traced and compiled
 
 
 def _last(x):

@@ -7,7 +7,7 @@ import pytest
 
 from residual.__main__ import main
 
-from .helpers import RUNNING_PLATFORM
+from ..helpers import RUNNING_PLATFORM
 
 _MODEL = '''
 import jax
@@ -115,6 +115,7 @@ def test_bad_arguments_end_in_a_clear_message(model_dir, capsys, argv, message):
     assert re.search(message, err, flags=re.S), err
 
 
+@pytest.mark.slow
 def test_demo_runs_and_ends_on_its_summary(capsys):
     with jax.numpy_dtype_promotion("standard"):  # optax's losses mix dtypes
         assert main(["demo", "--steps", "3", "--width", "32", "--depth", "2",

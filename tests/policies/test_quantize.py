@@ -486,6 +486,7 @@ MODELS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 def test_gradient_error_on_real_models(model):
     loss, params, x = MODELS[model]()
@@ -495,6 +496,7 @@ def test_gradient_error_on_real_models(model):
         assert relative_error_of_all(g(params, x), expected) <= bound, bits
 
 
+@pytest.mark.slow
 def test_causal_attention_alone_keeps_its_row_sums():
     # Row sums [8, 4, 128, 1] are 16 KiB, so `min_bytes` alone would not keep them.
     def loss(q, k, v):

@@ -21,9 +21,9 @@ from residual import _target
 from residual import policies as rp
 from residual._measure import backward
 
-from .helpers import RUNNING_PLATFORM, collectives, mlp_params, scan_mlp, unrolled_mlp
-from .policies_under_test import IDS as POLICY_IDS
-from .policies_under_test import POLICIES
+from ..helpers import RUNNING_PLATFORM, collectives, mlp_params, scan_mlp, unrolled_mlp
+from ..policies_under_test import IDS as POLICY_IDS
+from ..policies_under_test import POLICIES
 
 
 def _installed(module: str) -> bool:
@@ -288,6 +288,7 @@ def test_quantize_int8_on_a_tpu_scan_mlp_stays_at_its_measured_peak():
 
 
 @needs_tpu
+@pytest.mark.slow
 def test_quantize_int4_on_a_tpu_unrolled_mlp_keeps_every_array_in_its_layout():
     # Measured on v5e, jax 0.12.0.1: 1.03x plain's peak. Codes packed two per byte as
     # neighbours need a `[..., n, 2]` array to unpack, which the TPU pads to 128 lanes:

@@ -510,7 +510,7 @@ def test_nested_scans():
 def test_remat_in_a_scan_over_a_cond_that_forwards_its_operand_in_one_branch(taken):
     # The cond's residual is its operand `c` in one branch and a zero filler in the
     # other. Read as "the input `c`" for recomputation, the filler once gave a zero
-    # gradient (found by tests/test_fuzz.py).
+    # gradient (found by tests/integration/test_fuzz.py).
     def f(x, w):
         def body(c, _):
             return lax.cond(c > w, lambda a, b: jnp.abs(a), lambda a, b: a * b, c, w), None

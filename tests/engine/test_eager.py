@@ -223,7 +223,7 @@ def test_repeated_eager_calls_keep_memory_bounded():
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_EAGER_CALLS.format(calls=calls))],
         capture_output=True, text=True, check=True, env=env,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     )
     growth = dict(line.split() for line in result.stdout.splitlines())
     for name, mb in growth.items():

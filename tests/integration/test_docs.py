@@ -9,7 +9,7 @@ from pathlib import Path
 import residual
 from residual import policies
 
-DOCS = Path(__file__).parent.parent / "docs"
+DOCS = Path(__file__).parents[2] / "docs"
 
 
 def _public(module) -> set[str]:

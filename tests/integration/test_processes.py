@@ -1,6 +1,6 @@
 """Two JAX processes on this machine, joined by `jax.distributed` (one CPU device each,
 collectives through gloo), train a data-parallel model with hooks: what a multi-host run
-does. Each runs `tests/processes_worker.py` and reports what it measured; nothing in the
+does. Each runs `tests/integration/processes_worker.py` and reports what it measured; nothing in the
 library may assume one process, and both processes must take the same decisions."""
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow  # most tests here take 15 s or more
+
+ROOT = Path(__file__).resolve().parents[2]
 LOSSLESS = ("identity", "offload", "remat")
 
 
@@ -35,7 +37,7 @@ def processes(tmp_path_factory) -> list[dict]:
     for i in (0, 1):  # to files: a pipe not read while waiting on the other would fill
         with open(logs / f"{i}.out", "w") as out, open(logs / f"{i}.err", "w") as err:
             runs.append(subprocess.Popen(
-                [sys.executable, "-m", "tests.processes_worker", str(i), port],
+                [sys.executable, "-m", "tests.integration.processes_worker", str(i), port],
                 cwd=ROOT, env=env, stdout=out, stderr=err))
     try:
         for run in runs:

@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 import residual
 from residual import policies as rp
 
-from .helpers import mlp_params, relative_error
+from ..helpers import mlp_params, relative_error
 
 INT8 = rp.Quantize(bits=8, min_bytes=0)
 BY_NAME = rp.select([(rp.where(name="act"), INT8)])

@@ -16,7 +16,7 @@ from flax import nnx
 
 import residual
 
-from .helpers import relative_l2, tree_equal
+from ..helpers import relative_l2, tree_equal
 
 
 @pytest.fixture(autouse=True)

@@ -12,8 +12,8 @@ import pytest
 import residual
 from residual import policies as rp
 from residual._policy import Policy
+from tests.foundation.test_target import needs_gpu, needs_tpu
 from tests.helpers import xfail_on_gpu
-from tests.test_target import needs_gpu, needs_tpu
 
 
 def _mlp(ws, x):

@@ -20,7 +20,7 @@ from residual._plan.timing import TIME_TIE
 from residual._plan.value import Plan, code_key_of
 from residual.policies import Identity
 
-from .helpers import (
+from ..helpers import (
     RUNNING_PLATFORM,
     mlp_params,
     peak_bytes,
@@ -59,6 +59,7 @@ def _scan_plan():
     return residual.plan(scan_mlp, *_scan_args(), budget=_scan_budget())
 
 
+@pytest.mark.slow
 def test_budget_is_met_on_the_compiled_program():
     args = _scan_args()
     p = _scan_plan()
@@ -215,6 +216,7 @@ def _sweep():
     return residual.plan_sweep(scan_mlp, *mlp_params(4, WIDTH, BATCH), budgets=BUDGETS)
 
 
+@pytest.mark.slow
 def test_sweep_is_monotone():
     budgets = BUDGETS
     sweep = _sweep()

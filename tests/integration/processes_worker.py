@@ -1,6 +1,6 @@
-"""One of two JAX processes training a data-parallel model with hooks (tests/test_processes.py).
+"""One of two JAX processes training a data-parallel model with hooks (test_processes.py).
 
-Run as `python -m tests.processes_worker PROCESS_ID PORT`: it joins the other process
+Run as `python -m tests.integration.processes_worker PROCESS_ID PORT`: it joins the other process
 through `jax.distributed` on localhost (one CPU device each, collectives through gloo)
 and prints what it measured as one JSON line; the test compares the two processes'
 lines. Everything below runs alike on both, as a multi-host training script does.

@@ -21,7 +21,9 @@ from flax import nnx
 import residual
 from residual import policies as rp
 
-from .helpers import RUNNING_PLATFORM, relative_l2, same_as_plain, tree_allclose, tree_equal
+from ..helpers import RUNNING_PLATFORM, relative_l2, same_as_plain, tree_allclose, tree_equal
+
+pytestmark = pytest.mark.slow  # most tests here take 15 s or more
 
 IDENTITY = rp.Identity()
 BF16 = rp.Cast(jnp.bfloat16)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).parent.parent / "residual"
+PACKAGE = Path(__file__).parents[2] / "residual"
 
 LAYERS = {
     "foundation": {"_jax_private", "_errors", "_info", "_policy", "_scope", "_source",
