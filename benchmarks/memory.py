@@ -45,6 +45,10 @@ POLICIES = {
     "keep dots, remat rest": rp.select(
         [(rp.where(primitive="dot_general"), rp.Identity())], default=rp.Remat()
     ),
+    # What a fusion stores packed (matmul and reduction outputs), the elementwise chains
+    # between them recomputed.
+    "int8, elementwise recomputed": rp.Quantize(bits=8, elementwise="recompute"),
+    "int4, elementwise recomputed": rp.Quantize(bits=4, elementwise="recompute"),
 }
 
 

@@ -39,6 +39,7 @@ POLICIES = [
     (rp.Cast(jnp.bfloat16), 1e-2),
     (rp.Quantize(bits=8, min_bytes=0), 1e-2),
     (rp.Quantize(bits=4, min_bytes=0), 2e-1),
+    (rp.Quantize(bits=8, min_bytes=0, elementwise="recompute"), 1e-2),
     (rp.Quantize(bits=4, stochastic=True, min_bytes=0), 3e-1),
     (rp.Quantize(bits=2, min_bytes=0), 1.0),
     (rp.Quantize(format="fp8_e4m3", min_bytes=0), 1e-1),

@@ -487,13 +487,34 @@ MODELS = {
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("elementwise", ["pack", "recompute"])
 @pytest.mark.parametrize("model", MODELS)
-def test_gradient_error_on_real_models(model):
+def test_gradient_error_on_real_models(model, elementwise):
     loss, params, x = MODELS[model]()
     expected = jax.jit(jax.grad(loss, (0, 1)))(params, x)
     for bits, bound in [(8, 0.01), (4, 0.10)]:
-        g = jax.jit(jax.grad(residual.with_hooks(loss, policy=rp.Quantize(bits=bits)), (0, 1)))
+        policy = rp.Quantize(bits=bits, elementwise=elementwise)
+        g = jax.jit(jax.grad(residual.with_hooks(loss, policy=policy), (0, 1)))
         assert relative_error_of_all(g(params, x), expected) <= bound, bits
+
+
+def test_recomputing_elementwise_residuals_packs_only_what_a_fusion_stores():
+    loss, ws, x = _mlp()
+    policy = rp.Quantize(bits=8, elementwise="recompute")
+    rows = residual.inspect(loss, ws, x, policy=policy).rows
+    hows = {(r.primitive, r.how) for r in rows if r.primitive not in (None, "squeeze")}
+    # GELU's terms (`mul`, `tanh`, `sub`) come back from the packed matmul outputs.
+    assert hows == {("dot_general", "packed"), ("mul", "recomputed"), ("tanh", "recomputed"),
+                    ("sub", "recomputed")}, hows
+    expected = jax.grad(loss)(ws, x)
+    got = jax.jit(jax.grad(residual.with_hooks(loss, policy=policy)))(ws, x)
+    assert relative_error_of_all(got, expected) <= 0.01
+
+
+def test_elementwise_must_be_pack_or_recompute():
+    with pytest.raises(ValueError, match=r"`elementwise` must be one of \('pack', 'recompute'\)"
+                       r", but got 'fused'"):
+        rp.Quantize(elementwise="fused")
 
 
 @pytest.mark.slow

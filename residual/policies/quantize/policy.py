@@ -13,7 +13,8 @@ from ..._engine.ordering import in_device_memory, several_devices
 from ..._info import ResidualInfo
 from ..._policy import Policy, check_bool, check_int
 from .._defaults import worth_packing
-from .checks import FP8, check_format, check_grid, checked_scale_dtype
+from ..remat import Remat
+from .checks import FP8, check_elementwise, check_format, check_grid, checked_scale_dtype
 from .grid import fp8_codes, int_codes, int_values
 from .layout import layout_of
 from .noise import salt_of
@@ -77,6 +78,12 @@ class Quantize(Policy):
       inputs give the same draws (reproducible), new activations give new draws (it
       varies from step to step), nobody threads keys through the model, and no shard
       of a sharded residual waits for another's.
+    - `elementwise="recompute"` packs only what a compiler's fusion would store (the
+      outputs of matmuls, convolutions, reductions, and inputs) and recomputes the
+      elementwise chains between them (`tanh`, GELU's terms, softmax's `exp`) in the
+      backward from the unpacked values, as `Remat` does. TPU compilers fuse those
+      chains and store little of them, so packing each one adds memory there. See
+      the policies page for the figures.
 
     Built-in defaults: only floating-point residuals of at least `min_bytes` that are
     not kept alive anyway (`ResidualInfo.kept_alive`: weights, loop-invariant
@@ -96,6 +103,8 @@ class Quantize(Policy):
             they cost little, and they are where quantization hurts most.
         grid: `"auto"` (a square grid for the groups it suits, 4- and 2-bit codes) or
             `"uniform"` (evenly spaced values only).
+        elementwise: `"pack"` (every residual) or `"recompute"` (elementwise ones
+            recomputed from the packed values).
 
     Raises:
         TypeError: a field of the wrong type (`bits=4.0`, `stochastic="yes"`, `seed="a"`,
@@ -136,6 +145,7 @@ class Quantize(Policy):
     seed: int = 0
     min_bytes: int = 16384
     grid: str = "auto"
+    elementwise: str = "pack"
 
     def __post_init__(self):
         # Types first, each naming its field: a float `bits` or a string `seed` would
@@ -148,6 +158,7 @@ class Quantize(Policy):
                                                           self.stochastic))
         check_format(self.format, self.bits)
         check_grid(self.grid)
+        check_elementwise(self.elementwise)
         if self.format != "int" and self.stochastic:
             raise ValueError(
                 "`stochastic=True` is implemented for `format='int'`; fp8 rounds to nearest."
@@ -157,7 +168,11 @@ class Quantize(Policy):
     def resolve(self, info: ResidualInfo) -> Policy | None:
         if not worth_packing(info) or info.nbytes < self.min_bytes:
             return None
-        return None if _is_row_statistic(info.shape) else self
+        if _is_row_statistic(info.shape):
+            return None
+        if self.elementwise == "recompute" and info.primitive in ELEMENTWISE:
+            return _RECOMPUTE
+        return self
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> dict[str, jnp.ndarray] | jnp.ndarray:
         if not in_device_memory(x):
@@ -250,6 +265,17 @@ class Quantize(Policy):
         zero = jnp.expand_dims(packed["zero"], layout.reduced)
         values = int_values(codes, zero, scale, self.bits, self._square_grid)
         return layout.merge(values).astype(info.dtype)
+
+
+# What a fusion computes again from its operands rather than store: recomputing these
+# from the packed matmul and reduction outputs costs elementwise work only.
+ELEMENTWISE = frozenset({
+    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "square", "sqrt",
+    "rsqrt", "cbrt", "integer_pow", "pow", "exp", "exp2", "log", "log1p", "expm1", "tanh",
+    "logistic", "erf", "erfc", "sin", "cos", "select_n", "convert_element_type",
+    "one_minus_square", "clamp", "floor", "ceil", "round", "is_finite",
+})
+_RECOMPUTE = Remat()
 
 
 def _is_row_statistic(shape: tuple[int, ...]) -> bool:
