@@ -2,7 +2,7 @@
 
 `hooked_call(fun, inputs, ...)` computes `fun(*inputs)` so that, when it is
 differentiated in reverse mode, the forward runs `jax.vjp(fun)` (traced once to a
-jaxpr by `trace_residuals`), decides each residual's fate (`decisions.decide`), and
+jaxpr by `trace_residuals`), decides each residual's fate (`decide.decide`), and
 stores what the decisions store; the backward runs JAX's backward jaxpr, restoring
 each residual where it is first needed. See `_engine/README.md` for the data flow.
 """
@@ -20,9 +20,12 @@ from jax import lax
 
 from .. import _jax_private as jp
 from .._policy import FORWARD_WRAPPERS, Policy
-from .decisions import Decision, Handoff, RecomputePlan, Restores, Stores, as_array, decide
+from .decide import decide
+from .decisions import Decision, as_array
+from .recompute import RecomputePlan
 from .record import Record, record
 from .residuals import Analysis, InputKind, Residual, backward_jaxpr, trace_residuals
+from .storage import Handoff, Restores, Stores
 
 _HIGHER_ORDER = contextvars.ContextVar("residual_higher_order", default=False)
 

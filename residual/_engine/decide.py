@@ -1,0 +1,145 @@
+"""`decide`: the one place a residual's fate is chosen, from its policy and the others'."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .._policy import FunctionHooks, Policy
+from .._scope import innermost_policy
+from .decisions import (
+    Decision,
+    Derive,
+    Keep,
+    KeepInput,
+    OwnedByInner,
+    Pack,
+    Recompute,
+    RoundTrip,
+    View,
+)
+from .recompute import RecomputePlan
+from .residuals import Analysis, InputKind, Residual, value_describer
+
+
+def decide(
+    analysis: Analysis,
+    input_kinds: Sequence[InputKind],
+    base: Policy | None,
+    *,
+    higher_order: bool,
+    scope_prefix: Sequence[str] = (),
+    in_scan: bool = False,
+) -> tuple[list[Decision], RecomputePlan | None]:
+    """The decision for each residual of `analysis`, and what `Recompute` recomputes.
+
+    `base` applies outside any hooks region. A `higher_order` derivative (the values
+    are themselves being differentiated) stores every residual, round-tripped
+    through its policy (see `RoundTrip`): nothing is derived, re-taken or packed.
+    """
+    residuals = analysis.residuals
+    policies = [None if r.owned_by_inner else policy_for(r, base) for r in residuals]
+    derived = set() if higher_order else _derivable(residuals, policies)
+    constants = {} if higher_order else _constants(residuals, policies)
+    # Once anything is packed the program is no longer JAX's own: views of
+    # kept-alive inputs (`ws[i]`) are then re-taken in the backward, not stored, and
+    # what is stored as it is gets read after the backward's own values.
+    acting = not higher_order and not in_scan and any(
+        p is not None for p, r in zip(policies, residuals) if not r.owned_by_inner
+    )
+    decisions = [
+        Derive(policy=p, eqn=constants[r.info.index][0], operands=constants[r.info.index][1])
+        if r.info.index in constants else
+        _decide_one(r, p, derived=r.info.index in derived, acting=acting,
+                    higher_order=higher_order)
+        for r, p in zip(residuals, policies)
+    ]
+    recomputed = {i for i, d in enumerate(decisions) if isinstance(d, Recompute)}
+    if not recomputed:
+        return decisions, None
+    describe = value_describer(analysis, input_kinds, scope_prefix=scope_prefix,
+                               in_scan=in_scan)
+
+    def keep(var: Any, index: int) -> tuple[Residual, Decision] | None:
+        residual = describe(var, index)
+        if not residual.hookable or residual.info.kept_alive:
+            return None
+        policy = policy_for(residual, base)
+        if recomputes(policy):
+            return None
+        if policy is None:
+            return residual, Keep()
+        return residual, RoundTrip(policy=policy) if higher_order else Pack(policy=policy)
+
+    return decisions, RecomputePlan(analysis, recomputed, keep)
+
+
+def policy_for(residual: Residual, base: Policy | None) -> Policy | None:
+    """The policy that handles `residual` (the innermost hooks region's, else `base`)."""
+    if not residual.hookable:
+        return None
+    policy = innermost_policy(residual.region_policies, base)
+    return None if policy is None else policy.resolve(residual.info)
+
+
+def recomputes(policy: Policy | None) -> bool:
+    return policy is not None and policy.recompute
+
+
+def _decide_one(residual: Residual, policy: Policy | None, *, derived: bool, acting: bool,
+                higher_order: bool) -> Decision:
+    if residual.owned_by_inner:
+        return OwnedByInner()
+    if derived:
+        eqn, operands = residual.derivation
+        return Derive(policy=policy, eqn=eqn, operands=operands)
+    if acting and residual.view is not None and (policy is None or recomputes(policy)):
+        # Recomputing a view is re-taking it, inside the backward's conditional
+        # (recomputed from the whole input, it would be a copy of the input).
+        chain, j = residual.view
+        return View(policy=policy, chain=chain, input_index=j)
+    if policy is None:
+        if residual.input_index is not None:
+            return KeepInput(input_index=residual.input_index)
+        return Keep(tied=acting and not residual.info.kept_alive)
+    if recomputes(policy):
+        return Recompute(policy=policy)
+    if higher_order:
+        return RoundTrip(policy=policy)
+    return Pack(policy=policy)
+
+
+def _derivable(residuals: Sequence[Residual], policies: Sequence[Policy | None]) -> set[int]:
+    """Residuals to derive from others in the backward instead of storing them.
+
+    Only for residuals a lossy policy would pack (plain hooks and lossless policies
+    see every residual, as in PyTorch), and only from residuals that are stored.
+    """
+    candidates = {
+        r.info.index for r, p in zip(residuals, policies)
+        if r.derivation is not None and p is not None and not p.lossless
+        and not isinstance(p, FunctionHooks) and not p.recompute
+    }
+    return {
+        i for i in candidates
+        if all(not isinstance(o, int) or (o not in candidates and not residuals[o].owned_by_inner
+                                           and not recomputes(policies[o]))
+               for o in residuals[i].derivation[1])
+    }
+
+
+def _constants(residuals: Sequence[Residual], policies: Sequence[Policy | None]
+               ) -> dict[int, tuple[Any, tuple[Any, ...]]]:
+    """Residuals computed from literals alone (the zeros `relu`'s or `where`'s derivative
+    saves), by index: the equation and its operands, to compute them again in the backward.
+
+    Packed, such a residual is a full-size float the forward materializes (XLA keeps
+    the broadcast of a constant alive from the start of the program) only to store a
+    packed copy of a constant; without hooks, XLA fuses it into its use. Only for
+    residuals a lossy policy would pack, as for `_derivable`.
+    """
+    return {
+        r.info.index: r.constant for r, p in zip(residuals, policies)
+        if r.constant is not None and p is not None and not p.lossless
+        and not isinstance(p, FunctionHooks) and not p.recompute
+    }
