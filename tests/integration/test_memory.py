@@ -73,8 +73,8 @@ def test_scan_stores_int8_codes_per_layer_and_memory_shrinks():
 @xfail_on_gpu(SPLIT_K_SCRATCH)
 @pytest.mark.parametrize("policy", LOSSY, ids=repr)
 def test_unrolled_mlp_lossy_policies_stay_well_below_plain(policy):
-    # Was 1.66x plain for int8 before the engine kept XLA from fusing pack/unpack
-    # across the storage; now about 0.53x (docs/xla-and-packed-residuals.md).
+    # Holds only while XLA does not fuse pack and unpack across the storage, which the
+    # engine's ordering prevents (docs/xla-and-packed-residuals.md).
     ws, x = mlp_params(layers=6, width=128, batch=256)
     plain = beyond_bytes(jax.grad(unrolled_mlp), ws, x)
     assert _hooked_beyond(unrolled_mlp, policy, ws, x) <= 0.7 * plain
