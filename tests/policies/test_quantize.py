@@ -14,6 +14,7 @@ import pytest
 import residual
 from residual import ResidualInfo
 from residual import policies as rp
+from residual.policies.quantize.policy import ELEMENTWISE
 from tests.helpers import (
     SPLIT_K_SCRATCH,
     beyond_bytes,
@@ -502,10 +503,12 @@ def test_recomputing_elementwise_residuals_packs_only_what_a_fusion_stores():
     loss, ws, x = _mlp()
     policy = rp.Quantize(bits=8, elementwise="recompute")
     rows = residual.inspect(loss, ws, x, policy=policy).rows
-    hows = {(r.primitive, r.how) for r in rows if r.primitive not in (None, "squeeze")}
-    # GELU's terms (`mul`, `tanh`, `sub`) come back from the packed matmul outputs.
-    assert hows == {("dot_general", "packed"), ("mul", "recomputed"), ("tanh", "recomputed"),
-                    ("sub", "recomputed")}, hows
+    # GELU's terms (which ones JAX saves differs between releases) come back from the
+    # packed matmul outputs.
+    packed = {r.primitive for r in rows if r.how == "packed"}
+    recomputed = {r.primitive for r in rows if r.how == "recomputed"}
+    assert packed == {"dot_general"}, packed
+    assert "mul" in recomputed and recomputed <= ELEMENTWISE, recomputed
     expected = jax.grad(loss)(ws, x)
     got = jax.jit(jax.grad(residual.with_hooks(loss, policy=policy)))(ws, x)
     assert relative_error_of_all(got, expected) <= 0.01
