@@ -321,8 +321,10 @@ def from_program(program: buffers.Program, memory: Memory, target: str) -> Peak:
     elif rest < -0.01 * memory.peak:
         notes.append(
             f"The buffers live at this moment come to {size(-rest)} more than the "
-            "compiler's peak figure: on TPU a value copied into on-chip memory is listed "
-            "in both spaces while the compiler counts it once."
+            "compiler's peak figure. On TPU the compiler counts the values it copies "
+            "between device and on-chip memory (listed in both spaces here) its own way, "
+            "which its dumps do not show: read these rows as what is live, not as a "
+            "breakdown of its figure."
         )
     padded = [r for r in rows if r.padding >= 2 and r.bytes >= 0.01 * memory.peak]
     if padded:
