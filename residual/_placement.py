@@ -1,18 +1,19 @@
 """The device a program being traced runs on: a compile-only target's first device while
 `Target.lower` traces for it, else this process's first device. Policies that
-name a device inside `jit` (a one-device sharding) ask here, so that a program compiled
-for an H100 or a TPU from a CPU host names no device of the host."""
+decide by device ask here: `Offload` naming a device inside `jit` (a one-device
+sharding), so that a program compiled for an H100 or a TPU from a CPU host names no
+device of the host; `Quantize` choosing what to recompute on a TPU."""
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator, Sequence
 
 import jax
 
-_TARGET_DEVICES: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
-    "residual_target_devices", default=None)
+# Part of JAX's trace context: a function jitted once and traced again for a target
+# misses JAX's tracing cache rather than reuse decisions made for another device.
+_TARGET_DEVICES = jax.make_user_context(None)
 
 
 def platform_family(platform: str) -> str:
@@ -22,14 +23,11 @@ def platform_family(platform: str) -> str:
 
 
 def program_device() -> jax.Device:
-    devices = _TARGET_DEVICES.get()
+    devices = _TARGET_DEVICES.value
     return devices[0] if devices else jax.local_devices()[0]
 
 
 @contextlib.contextmanager
 def tracing_for(devices: Sequence[jax.Device]) -> Iterator[None]:
-    token = _TARGET_DEVICES.set(tuple(devices))
-    try:
+    with _TARGET_DEVICES(tuple(devices)):
         yield
-    finally:
-        _TARGET_DEVICES.reset(token)

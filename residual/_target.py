@@ -27,7 +27,7 @@ import functools
 import importlib.util
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,8 +136,18 @@ class Target:
         if self.name is None:
             return jax.jit(fn).lower(*args)
         placed = self.place(args)
-        with self._compile_errors(), tracing_for(self.devices):
+        with self._compile_errors(), self.tracing():
             return jax.jit(fn).lower(*placed)
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[None]:
+        """Traces within it are for this target: policies that decide by device (where
+        `Offload` puts a value, what `Quantize` recomputes) decide for its devices."""
+        if self.name is None:
+            yield
+            return
+        with tracing_for(self.devices):
+            yield
 
     @contextlib.contextmanager
     def _compile_errors(self):

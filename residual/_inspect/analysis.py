@@ -81,7 +81,8 @@ def inspect(
         )
     fn = functools.partial(f, **kwargs) if kwargs else f
     probe = policy if policy is not None else Identity()
-    with recording() as records:
+    # The rows' decisions are made for the target, as in the program compiled for it.
+    with recording() as records, resolve(target).tracing():
         jax.eval_shape(lambda *a: backward(with_hooks(fn, policy=probe))(*a), *args)
     rows, sections = _rows(records, policy is not None)
     residual_bytes = sum(r.total_bytes for r in rows)

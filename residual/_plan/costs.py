@@ -182,7 +182,7 @@ def group_residuals(programs: Programs) -> list[Group]:
     every scan iteration of it (identical scan bodies share one decision)."""
     from ..policies import Identity
 
-    with recording() as records:
+    with recording() as records, programs.where.tracing():
         jax.eval_shape(programs.grad_fn(Identity()), *programs.args)
     groups: dict[tuple, Group] = {}
     for r in records:
@@ -238,7 +238,7 @@ class CostModel:
         decides it (one trace): a residual that other stored values give cheaply is
         derived from them and stores nothing, whatever the action."""
         plan = self.choice_plan({g.key: action for g in self.groups})
-        with recording() as records:
+        with recording() as records, self.programs.where.tracing():
             jax.eval_shape(self.programs.grad_fn(plan), *self.programs.args)
         stored: dict[tuple, int] = {}
         for r in records:
@@ -307,6 +307,6 @@ class CostModel:
     def traced(self, policy: Policy) -> tuple[dict[str, float], int]:
         """XLA's cost analysis of `jit(grad)` under `policy` (lowered, not compiled), and
         the bytes its trace stores for the backward."""
-        with recording() as records:
+        with recording() as records, self.programs.where.tracing():
             cost = cost_of(self.programs.grad_fn(policy), self.programs.args)
         return cost, sum(r.stored_bytes * r.iterations for r in records)

@@ -282,7 +282,8 @@ def test_quantize_int8_on_a_tpu_scan_mlp_stays_at_its_measured_peak():
     # marking NaN groups on the float copy of the codes instead of the integer codes
     # fuses differently there and measures 0.720x.
     ws, x = mlp_params(layers=4, width=512, batch=2048)
-    hooked = jax.grad(residual.with_hooks(scan_mlp, policy=rp.Quantize(bits=8)))
+    policy = rp.Quantize(bits=8, elementwise="pack")
+    hooked = jax.grad(residual.with_hooks(scan_mlp, policy=policy))
     plain = residual.compiled_memory(jax.grad(scan_mlp), ws, x, target="v5e")
     assert residual.compiled_memory(hooked, ws, x, target="v5e").peak <= 0.70 * plain.peak
 
@@ -303,8 +304,50 @@ def test_quantize_recomputing_elementwise_keeps_a_tpu_gelu_mlp_at_plains_peak():
     plain = residual.compiled_memory(jax.grad(gelu_mlp), ws, x, target="v5e").peak
     peaks = {e: residual.compiled_memory(jax.grad(residual.with_hooks(
         gelu_mlp, policy=rp.Quantize(bits=8, elementwise=e))), ws, x, target="v5e").peak / plain
-        for e in ("pack", "recompute")}
+        for e in ("pack", "recompute", "auto")}
     assert peaks["recompute"] <= 1.0 and peaks["pack"] > 1.2, peaks
+    assert peaks["auto"] == peaks["recompute"], peaks
+
+
+@needs_tpu
+@pytest.mark.parametrize(("policy", "target", "recomputed"), [
+    (rp.Quantize(bits=8), "v5e", True),
+    (rp.Quantize(format="fp8_e4m3"), "v5e", True),
+    (rp.Quantize(bits=4), "v5e", False),
+    (rp.Quantize(bits=8), "cpu", False),
+    (rp.Quantize(bits=8, elementwise="pack"), "v5e", False),
+])
+def test_quantize_recomputes_elementwise_residuals_by_default_for_8_bits_on_a_tpu(
+        policy, target, recomputed):
+    def gelu_mlp(ws, x):
+        for i in range(ws.shape[0]):
+            x = jax.nn.gelu(x @ ws[i])
+        return jnp.sum(x**2)
+
+    ws, x = mlp_params(layers=2, width=256, batch=256)
+    report = residual.inspect(gelu_mlp, ws, x, policy=policy, target=target)
+    hows = {r.primitive: r.how for r in report.rows if r.primitive != "dot_general"}
+    assert ("recomputed" in hows.values()) == recomputed, hows
+    assert ("packed" in hows.values()) == (not recomputed), hows
+
+
+@needs_tpu
+def test_a_jitted_step_traced_for_the_cpu_is_traced_again_for_a_tpu():
+    # JAX's tracing cache is keyed by its trace context; without the target in it, the
+    # TPU program would reuse decisions made while tracing for this host's CPU.
+    def gelu_mlp(ws, x):
+        for i in range(ws.shape[0]):
+            x = jax.nn.gelu(x @ ws[i])
+        return jnp.sum(x**2)
+
+    ws, x = mlp_params(layers=2, width=256, batch=256)
+    policy = rp.Quantize(bits=8)
+    step = jax.jit(jax.grad(residual.with_hooks(gelu_mlp, policy=policy)))
+    residual.compiled_memory(step, ws, x)
+    again = residual.compiled_memory(step, ws, x, target="v5e")
+    fresh = residual.compiled_memory(
+        jax.jit(jax.grad(residual.with_hooks(gelu_mlp, policy=policy))), ws, x, target="v5e")
+    assert again == fresh
 
 
 @needs_tpu

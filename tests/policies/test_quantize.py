@@ -515,8 +515,8 @@ def test_recomputing_elementwise_residuals_packs_only_what_a_fusion_stores():
 
 
 def test_elementwise_must_be_pack_or_recompute():
-    with pytest.raises(ValueError, match=r"`elementwise` must be one of \('pack', 'recompute'\)"
-                       r", but got 'fused'"):
+    with pytest.raises(ValueError, match=r"`elementwise` must be one of \('auto', 'pack', "
+                       r"'recompute'\), but got 'fused'"):
         rp.Quantize(elementwise="fused")
 
 

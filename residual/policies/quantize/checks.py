@@ -11,7 +11,7 @@ FP8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 FORMATS = ("int", *FP8)
 BITS = (8, 4, 2)
 GRIDS = ("auto", "uniform")
-ELEMENTWISE_CHOICES = ("pack", "recompute")
+ELEMENTWISE_CHOICES = ("auto", "pack", "recompute")
 
 
 def check_format(code_format: Any, bits: int) -> None:
@@ -38,7 +38,8 @@ def check_grid(grid: Any) -> None:
 def check_elementwise(elementwise: Any) -> None:
     """Raises unless `elementwise` is one of `ELEMENTWISE_CHOICES`."""
     _check_choice("elementwise", elementwise, ELEMENTWISE_CHOICES, ": 'pack' packs every "
-                  "residual, 'recompute' recomputes elementwise ones from the packed values")
+                  "residual, 'recompute' recomputes elementwise ones from the packed values, "
+                  "'auto' recomputes them for 8-bit codes on a TPU and packs them elsewhere")
 
 
 def _check_choice(field: str, value: Any, choices: tuple[str, ...], why: str = "") -> None:
