@@ -108,7 +108,8 @@ def main() -> int:
                                           sharding=NamedSharding(mesh, w_spec))
                 x = jax.ShapeDtypeStruct((batch, width), jnp.float32,
                                          sharding=NamedSharding(mesh, x_spec))
-                added += measure(f"{target}, {layout}, {model}", fn, ws, x)
+                with _target.resolve(target).tracing():  # policies decide for the TPU
+                    added += measure(f"{target}, {layout}, {model}", fn, ws, x)
     failed = _targets.report({}, [(lambda _: not added, (
         "no policy adds a collective to plain jax.grad's (those that recompute: to "
         "jax.checkpoint(nothing_saveable)'s per layer)"))])

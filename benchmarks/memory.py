@@ -45,6 +45,9 @@ POLICIES = {
     "keep dots, remat rest": rp.select(
         [(rp.where(primitive="dot_general"), rp.Identity())], default=rp.Remat()
     ),
+    # 8-bit codes recompute the elementwise chains on a TPU by default, and pack every
+    # residual elsewhere: both, on every target.
+    "int8, every residual packed": rp.Quantize(bits=8, elementwise="pack"),
     # What a fusion stores packed (matmul and reduction outputs), the elementwise chains
     # between them recomputed.
     "int8, elementwise recomputed": rp.Quantize(bits=8, elementwise="recompute"),
@@ -79,7 +82,7 @@ def measure(name, model, args, targets, checkpoint_models=(), target=None, colum
         rows, targets = [row for row in rows if row[0] in ONLY], []
     for label, fn, policy in rows:
         stored = "" if policy is None else "{:.2f}".format(residual.inspect(
-            model, *args, policy=policy, compiled=False).totals["ratio"])
+            model, *args, policy=policy, compiled=False, target=target).totals["ratio"])
         hooked = grad_memory(fn, *args, target=target)
         peak, beyond = hooked.peak / plain.peak, hooked.beyond / max(plain.beyond, 1)
         ratios[label] = beyond
