@@ -30,6 +30,7 @@ import _models as models
 import _targets
 
 import residual
+from residual import _target
 from residual import policies as rp
 
 POLICIES = {
@@ -67,7 +68,10 @@ def measure(name, loss, args, policies, targets, target=None):
         hooked = jax.grad(residual.with_hooks(loss, policy=policy))
         memory = residual.compiled_memory(hooked, *args, target=target)
         ratio = memory.peak / plain.peak
-        error = relative_error(jax.jit(hooked)(*args), expected)
+        # Run here with the decisions of the target's program (8-bit `Quantize`
+        # recomputes elementwise chains on a TPU), so error and memory are one program's.
+        with _target.resolve(target).tracing():
+            error = relative_error(jax.jit(hooked)(*args), expected)
         results[label] = ratio, error
         print(f"  {label:18s} {ratio:14.3f} {memory.beyond / max(plain.beyond, 1):7.2f} "
               f"{error:11.2e}")
