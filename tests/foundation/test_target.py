@@ -288,6 +288,12 @@ def test_quantize_int8_on_a_tpu_scan_mlp_stays_at_its_measured_peak():
     assert residual.compiled_memory(hooked, ws, x, target="v5e").peak <= 0.70 * plain.peak
 
 
+def _gelu_mlp(ws, x):
+    for i in range(ws.shape[0]):
+        x = jax.nn.gelu(x @ ws[i])
+    return jnp.sum(x**2)
+
+
 @needs_tpu
 @pytest.mark.slow
 def test_quantize_recomputing_elementwise_keeps_a_tpu_gelu_mlp_at_plains_peak():
@@ -295,15 +301,10 @@ def test_quantize_recomputing_elementwise_keeps_a_tpu_gelu_mlp_at_plains_peak():
     # TPU compiler fuses GELU's elementwise chain and stores little of it; packed, each
     # of its terms is a float the forward materializes); packing the matmul outputs and
     # recomputing the chain from them, 0.99x.
-    def gelu_mlp(ws, x):
-        for i in range(ws.shape[0]):
-            x = jax.nn.gelu(x @ ws[i])
-        return jnp.sum(x**2)
-
     ws, x = mlp_params(layers=8, width=512, batch=2048)
-    plain = residual.compiled_memory(jax.grad(gelu_mlp), ws, x, target="v5e").peak
+    plain = residual.compiled_memory(jax.grad(_gelu_mlp), ws, x, target="v5e").peak
     peaks = {e: residual.compiled_memory(jax.grad(residual.with_hooks(
-        gelu_mlp, policy=rp.Quantize(bits=8, elementwise=e))), ws, x, target="v5e").peak / plain
+        _gelu_mlp, policy=rp.Quantize(bits=8, elementwise=e))), ws, x, target="v5e").peak / plain
         for e in ("pack", "recompute", "auto")}
     assert peaks["recompute"] <= 1.0 and peaks["pack"] > 1.2, peaks
     assert peaks["auto"] == peaks["recompute"], peaks
@@ -319,13 +320,8 @@ def test_quantize_recomputing_elementwise_keeps_a_tpu_gelu_mlp_at_plains_peak():
 ])
 def test_quantize_recomputes_elementwise_residuals_by_default_for_8_bits_on_a_tpu(
         policy, target, recomputed):
-    def gelu_mlp(ws, x):
-        for i in range(ws.shape[0]):
-            x = jax.nn.gelu(x @ ws[i])
-        return jnp.sum(x**2)
-
     ws, x = mlp_params(layers=2, width=256, batch=256)
-    report = residual.inspect(gelu_mlp, ws, x, policy=policy, target=target)
+    report = residual.inspect(_gelu_mlp, ws, x, policy=policy, target=target)
     hows = {r.primitive: r.how for r in report.rows if r.primitive != "dot_general"}
     assert ("recomputed" in hows.values()) == recomputed, hows
     assert ("packed" in hows.values()) == (not recomputed), hows
@@ -335,18 +331,13 @@ def test_quantize_recomputes_elementwise_residuals_by_default_for_8_bits_on_a_tp
 def test_a_jitted_step_traced_for_the_cpu_is_traced_again_for_a_tpu():
     # JAX's tracing cache is keyed by its trace context; without the target in it, the
     # TPU program would reuse decisions made while tracing for this host's CPU.
-    def gelu_mlp(ws, x):
-        for i in range(ws.shape[0]):
-            x = jax.nn.gelu(x @ ws[i])
-        return jnp.sum(x**2)
-
     ws, x = mlp_params(layers=2, width=256, batch=256)
     policy = rp.Quantize(bits=8)
-    step = jax.jit(jax.grad(residual.with_hooks(gelu_mlp, policy=policy)))
+    step = jax.jit(jax.grad(residual.with_hooks(_gelu_mlp, policy=policy)))
     residual.compiled_memory(step, ws, x)
     again = residual.compiled_memory(step, ws, x, target="v5e")
     fresh = residual.compiled_memory(
-        jax.jit(jax.grad(residual.with_hooks(gelu_mlp, policy=policy))), ws, x, target="v5e")
+        jax.jit(jax.grad(residual.with_hooks(_gelu_mlp, policy=policy))), ws, x, target="v5e")
     assert again == fresh
 
 
