@@ -514,7 +514,7 @@ def test_recomputing_elementwise_residuals_packs_only_what_a_fusion_stores():
     assert relative_error_of_all(got, expected) <= 0.01
 
 
-def test_elementwise_must_be_pack_or_recompute():
+def test_elementwise_must_be_auto_pack_or_recompute():
     with pytest.raises(ValueError, match=r"`elementwise` must be one of \('auto', 'pack', "
                        r"'recompute'\), but got 'fused'"):
         rp.Quantize(elementwise="fused")

@@ -183,7 +183,7 @@ class Quantize(Policy):
 
         `"auto"` recomputes them for 8-bit codes in a program for a TPU, whose compiler
         fuses elementwise chains and stores little of them (a transformer's int8 peak,
-        v5e: 0.25x plain's recomputed, 0.63x packed), and packs them elsewhere: on
+        v5e: 0.25x plain's recomputed, 0.64x packed), and packs them elsewhere: on
         XLA:CPU and GPUs the MLPs' peaks grow a little when recomputed, and at 4 and 2
         bits the chains carry the coarser rounding into more values (int4 on a scanned
         flax NNX transformer: 11.4% gradient error recomputed, 6.7% packed).
