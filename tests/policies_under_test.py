@@ -44,7 +44,8 @@ POLICIES = [
     (rp.Quantize(bits=2, min_bytes=0), 1.0),
     (rp.Quantize(format="fp8_e4m3", min_bytes=0), 1e-1),
     (rp.Quantize(format="fp8_e5m2", min_bytes=0), 2e-1),
-    (rp.Chain(rp.Quantize(bits=8, min_bytes=0), rp.Offload()), 1e-2),
+    # Elementwise residuals recomputed where that stores less, the rest through the chain.
+    (rp.Chain(rp.Quantize(bits=8, min_bytes=0, elementwise="recompute"), rp.Offload()), 1e-2),
     # Keeps the tanh outputs (the tanh MLPs save no `dot_general` output), recomputes the rest.
     (rp.select([(rp.where(primitive="tanh"), rp.Identity())], default=rp.Remat()), 1e-6),
     (rp.select([(rp.where(min_bytes=1024), rp.Quantize(bits=8, min_bytes=0))]), 1e-2),

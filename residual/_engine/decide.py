@@ -7,6 +7,7 @@ from typing import Any
 
 from .._policy import FunctionHooks, Policy
 from .._scope import innermost_policy
+from ..policies.remat import RematWhereSmaller
 from .decisions import (
     Decision,
     Derive,
@@ -20,6 +21,7 @@ from .decisions import (
 )
 from .recompute import RecomputePlan
 from .residuals import Analysis, InputKind, Residual, value_describer
+from .smallest_store import stored_instead
 
 
 def decide(
@@ -54,8 +56,7 @@ def decide(
                     higher_order=higher_order)
         for r, p in zip(residuals, policies)
     ]
-    recomputed = {i for i, d in enumerate(decisions) if isinstance(d, Recompute)}
-    if not recomputed:
+    if not any(isinstance(d, Recompute) for d in decisions):
         return decisions, None
     describe = value_describer(analysis, input_kinds, scope_prefix=scope_prefix,
                                in_scan=in_scan)
@@ -71,7 +72,40 @@ def decide(
             return residual, Keep()
         return residual, RoundTrip(policy=policy) if higher_order else Pack(policy=policy)
 
-    return decisions, RecomputePlan(analysis, recomputed, keep)
+    while True:
+        recomputed = {i for i, d in enumerate(decisions) if isinstance(d, Recompute)}
+        plan = RecomputePlan(analysis, recomputed, keep)
+        stored = stored_instead(plan, decisions, residuals)
+        if not stored:
+            break
+        for i in stored:
+            policy = decisions[i].policy.otherwise
+            decisions[i] = RoundTrip(policy=policy) if higher_order else Pack(policy=policy)
+    if higher_order:
+        return decisions, plan if recomputed else None
+    # What storing some of them made derivable (a `tanh`'s derivative from its stored
+    # output) is derived as `otherwise` would have it, not recomputed.
+    derived = _derivable_from_stored(residuals, decisions)
+    for i in derived:
+        eqn, operands = residuals[i].derivation
+        decisions[i] = Derive(policy=decisions[i].policy.otherwise, eqn=eqn, operands=operands)
+    if derived:
+        recomputed -= derived
+        plan = RecomputePlan(analysis, recomputed, keep)
+    return decisions, plan if recomputed else None
+
+
+def _derivable_from_stored(residuals: Sequence[Residual], decisions: Sequence[Decision]
+                           ) -> set[int]:
+    """Residuals decided `RematWhereSmaller` that `otherwise` would derive from others
+    now stored (see `_derivable`)."""
+    stored = {i for i, d in enumerate(decisions) if isinstance(d, (Pack, Keep, KeepInput))}
+    return {
+        i for i, (r, d) in enumerate(zip(residuals, decisions))
+        if isinstance(d, Recompute) and isinstance(d.policy, RematWhereSmaller)
+        and r.derivation is not None and not d.policy.otherwise.lossless
+        and all(not isinstance(o, int) or o in stored for o in r.derivation[1])
+    }
 
 
 def policy_for(residual: Residual, base: Policy | None) -> Policy | None:

@@ -12,6 +12,7 @@ from .._policy import Policy, check_hashable
 from .identity import Identity
 from .offload import Offload
 from .profile import Profile
+from .remat import RematWhereSmaller
 from .select import Select
 
 
@@ -84,24 +85,33 @@ class Chain(Policy):
         first = self.policies[0].resolve(info)
         if first is not None:
             # A `select` stage may choose `Remat`: then nothing is stored to pass on.
+            # Where it recomputes only if that stores less, what it stores instead
+            # goes through the whole chain.
+            if isinstance(first, RematWhereSmaller):
+                return dataclasses.replace(first, otherwise=self)
             return first if first.recompute else self
         rest = self.policies[1:]
         return rest[0].resolve(info) if len(rest) == 1 else Chain(*rest).resolve(info)
 
     def pack(self, x, info: ResidualInfo) -> Any:
-        first, *rest = self.policies
-        packed = first.resolve(info).pack(x, info)
+        rest = self.policies[1:]
+        packed = self._first_stage(info).pack(x, info)
         for level, policy in enumerate(rest):
             packed = jax.tree.map(lambda a, p=policy, k=level: _apply(p, k, a, info), packed)
         return packed
 
     def unpack(self, packed, info: ResidualInfo):
-        first, *rest = self.policies
+        rest = self.policies[1:]
         for level in reversed(range(len(rest))):
             packed = jax.tree.map(
                 _undo, packed, is_leaf=lambda n, k=level: isinstance(n, _Stage) and n.level == k
             )
-        return first.resolve(info).unpack(packed, info)
+        return self._first_stage(info).unpack(packed, info)
+
+    def _first_stage(self, info: ResidualInfo) -> Policy:
+        """What the first policy stores `info`'s residual with, when it is stored."""
+        first = self.policies[0].resolve(info)
+        return first.otherwise if isinstance(first, RematWhereSmaller) else first
 
 
 @dataclasses.dataclass(frozen=True)

@@ -514,6 +514,37 @@ def test_recomputing_elementwise_residuals_packs_only_what_a_fusion_stores():
     assert relative_error_of_all(got, expected) <= 0.01
 
 
+def _tanh_layers(ws, x):
+    for w in ws:
+        x = jnp.tanh(x @ w)
+    return jnp.sum(x**2)
+
+
+def _scanned_tanh_layers(ws, x):
+    x, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, jnp.stack(ws))
+    return jnp.sum(x**2)
+
+
+@pytest.mark.parametrize("loss", [_tanh_layers, _scanned_tanh_layers])
+def test_recomputing_elementwise_residuals_stores_no_more_than_packing_them(loss):
+    # A tanh output is what JAX saves, and its matmul's output is not saved at all:
+    # recomputing the tanh would store that matmul output instead, as many bytes; and
+    # recomputing the loss's `2 x` would run the layers (the whole scan) again. So
+    # each residual is stored or derived as packing does it.
+    keys = jax.random.split(jax.random.key(0), 4)
+    ws = [jax.random.normal(k, (128, 128)) / 11 for k in keys[:3]]
+    x = jax.random.normal(keys[3], (256, 128))
+    recomputing = residual.inspect(loss, ws, x, policy=rp.Quantize(elementwise="recompute"))
+    packing = residual.inspect(loss, ws, x, policy=rp.Quantize(elementwise="pack"))
+    how = [(r.primitive, r.how) for r in recomputing.rows]
+    assert how == [(r.primitive, r.how) for r in packing.rows], how
+    assert ("tanh", "packed") in how and ("mul", "recomputed") not in how
+    assert recomputing.totals["stored_bytes"] == packing.totals["stored_bytes"]
+    policy = rp.Quantize(elementwise="recompute")
+    got = jax.jit(jax.grad(residual.with_hooks(loss, policy=policy)))(ws, x)
+    assert relative_error_of_all(got, jax.grad(loss)(ws, x)) <= 0.01
+
+
 def test_elementwise_must_be_auto_pack_or_recompute():
     with pytest.raises(ValueError, match=r"`elementwise` must be one of \('auto', 'pack', "
                        r"'recompute'\), but got 'fused'"):
