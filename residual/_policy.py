@@ -39,6 +39,11 @@ class Policy:
             flow of its own (`Quantize`'s `cond`): the input is then computed once
             before `pack`, or XLA may recompute a cheap producer into each read and
             keep two copies alive.
+        instead: for a recomputing policy, the policy that stores the residual
+            where recomputing it would store at least as many bytes (the values it
+            is recomputed from), or `None` to recompute it whatever that stores.
+        recomputes_through: for a recomputing policy, the primitives (by name) it
+            may run again in the backward, or `None` for any.
 
     Examples:
         >>> import dataclasses, jax.numpy as jnp, residual
@@ -54,6 +59,8 @@ class Policy:
     lossless: bool = False
     recompute: bool = False
     reads_twice: bool = False
+    instead: Policy | None = None
+    recomputes_through: frozenset[str] | None = None
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement `pack(x, info)`.")

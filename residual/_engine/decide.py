@@ -7,7 +7,6 @@ from typing import Any
 
 from .._policy import FunctionHooks, Policy
 from .._scope import innermost_policy
-from ..policies.remat import RematWhereSmaller
 from .decisions import (
     Decision,
     Derive,
@@ -79,16 +78,16 @@ def decide(
         if not stored:
             break
         for i in stored:
-            policy = decisions[i].policy.otherwise
+            policy = decisions[i].policy.instead
             decisions[i] = RoundTrip(policy=policy) if higher_order else Pack(policy=policy)
     if higher_order:
         return decisions, plan if recomputed else None
     # What storing some of them made derivable (a `tanh`'s derivative from its stored
-    # output) is derived as `otherwise` would have it, not recomputed.
+    # output) is derived as `instead` would have it, not recomputed.
     derived = _derivable_from_stored(residuals, decisions)
     for i in derived:
         eqn, operands = residuals[i].derivation
-        decisions[i] = Derive(policy=decisions[i].policy.otherwise, eqn=eqn, operands=operands)
+        decisions[i] = Derive(policy=decisions[i].policy.instead, eqn=eqn, operands=operands)
     if derived:
         recomputed -= derived
         plan = RecomputePlan(analysis, recomputed, keep)
@@ -97,13 +96,13 @@ def decide(
 
 def _derivable_from_stored(residuals: Sequence[Residual], decisions: Sequence[Decision]
                            ) -> set[int]:
-    """Residuals decided `RematWhereSmaller` that `otherwise` would derive from others
-    now stored (see `_derivable`)."""
+    """Recomputed residuals whose policy stores them `instead` where that is smaller,
+    and that `instead` would derive from others now stored (see `_derivable`)."""
     stored = {i for i, d in enumerate(decisions) if isinstance(d, (Pack, Keep, KeepInput))}
     return {
         i for i, (r, d) in enumerate(zip(residuals, decisions))
-        if isinstance(d, Recompute) and isinstance(d.policy, RematWhereSmaller)
-        and r.derivation is not None and not d.policy.otherwise.lossless
+        if isinstance(d, Recompute) and d.policy.instead is not None
+        and r.derivation is not None and not d.policy.instead.lossless
         and all(not isinstance(o, int) or o in stored for o in r.derivation[1])
     }
 

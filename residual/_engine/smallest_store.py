@@ -9,7 +9,6 @@ from scipy.sparse import coo_array
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from .. import _jax_private as jp
-from ..policies.remat import RematWhereSmaller
 from .decisions import Decision
 from .recompute import RecomputePlan, Slice
 from .residuals import Residual
@@ -22,13 +21,13 @@ _UNCUT = 2**28
 
 def stored_instead(plan: RecomputePlan, decisions: Sequence[Decision],
                    residuals: Sequence[Residual]) -> set[int]:
-    """Residuals decided `RematWhereSmaller` to store rather than recompute.
+    """Recomputed residuals to store with their policy's `instead` rather than recompute.
 
     A slice of the forward starts from values nothing else stores (a `tanh` output
     recomputed from its matmul's output), which recomputing it then stores, and may
-    run equations the policy does not recompute through (`through`: a matmul, a
-    whole scan), whose results it can then only have stored. Per slice
-    whose residuals are all `RematWhereSmaller`, the fewest bytes that let the
+    run equations the policy does not recompute through (`recomputes_through`: a
+    matmul, a whole scan), whose results it can then only have stored. Per slice
+    whose residuals all have an `instead`, the fewest bytes that let the
     backward compute every residual of the slice are a minimum cut between the
     values it starts from and its residuals: the residuals on that cut are stored
     (for a `tanh` MLP, the `tanh` output, from which its derivative is recomputed),
@@ -37,7 +36,7 @@ def stored_instead(plan: RecomputePlan, decisions: Sequence[Decision],
     stored: set[int] = set()
     for part in {id(part): part for part in plan.slice_of.values()}.values():
         if part.eqns and all(
-                isinstance(decisions[i].policy, RematWhereSmaller) for i, _ in part.outputs):
+                decisions[i].policy.instead is not None for i, _ in part.outputs):
             stored |= _on_smallest_cut(plan, part, decisions, residuals)
     return stored
 
@@ -88,7 +87,7 @@ def _on_smallest_cut(plan: RecomputePlan, part: Slice, decisions: Sequence[Decis
 
 def _through(part: Slice, decisions: Sequence[Decision]) -> frozenset[str] | None:
     """The primitives every residual of `part` may be recomputed through (None: any)."""
-    allowed = [decisions[i].policy.through for i, _ in part.outputs]
+    allowed = [decisions[i].policy.recomputes_through for i, _ in part.outputs]
     named = [a for a in allowed if a is not None]
     return frozenset.intersection(*named) if named else None
 

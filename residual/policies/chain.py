@@ -88,7 +88,7 @@ class Chain(Policy):
             # Where it recomputes only if that stores less, what it stores instead
             # goes through the whole chain.
             if isinstance(first, RematWhereSmaller):
-                return dataclasses.replace(first, otherwise=self)
+                return dataclasses.replace(first, instead=self)
             return first if first.recompute else self
         rest = self.policies[1:]
         return rest[0].resolve(info) if len(rest) == 1 else Chain(*rest).resolve(info)
@@ -111,7 +111,7 @@ class Chain(Policy):
     def _first_stage(self, info: ResidualInfo) -> Policy:
         """What the first policy stores `info`'s residual with, when it is stored."""
         first = self.policies[0].resolve(info)
-        return first.otherwise if isinstance(first, RematWhereSmaller) else first
+        return first.instead if isinstance(first, RematWhereSmaller) else first
 
 
 @dataclasses.dataclass(frozen=True)

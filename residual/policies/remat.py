@@ -60,19 +60,19 @@ class Remat(Policy):
 
 @dataclasses.dataclass(frozen=True)
 class RematWhereSmaller(Remat):
-    """`Remat` where recomputing stores fewer bytes, else `otherwise`.
+    """`Remat` where recomputing stores fewer bytes, else `instead`.
 
     Recomputing a residual can mean storing the values it is recomputed from (a
     `tanh` output recomputed from its matmul's output, which nothing else stores):
     where a slice of the forward would store at least as many bytes as the residuals
-    it recomputes, those residuals are stored by `otherwise` instead. `through` names
-    the primitives it may recompute (None: any); what another equation computes
-    (a matmul, a whole scan) is stored, where the slice needs it, as the residuals
-    it feeds.
+    it recomputes, those residuals are stored by `instead`. `recomputes_through`
+    names the primitives it may run again (None: any); what another equation
+    computes (a matmul, a whole scan) is stored, where the slice needs it, as the
+    residuals it feeds.
     """
 
-    otherwise: Policy = dataclasses.field(default_factory=Remat)
-    through: frozenset[str] | None = None
+    instead: Policy = dataclasses.field(default_factory=Remat)
+    recomputes_through: frozenset[str] | None = None
 
-    def __repr__(self) -> str:  # `through` is long and always the policy's own
-        return f"RematWhereSmaller(otherwise={self.otherwise!r})"
+    def __repr__(self) -> str:  # the primitives are long and always the policy's own
+        return f"RematWhereSmaller(instead={self.instead!r})"

@@ -177,7 +177,7 @@ class Quantize(Policy):
         if _is_row_statistic(info.shape):
             return None
         if info.primitive in ELEMENTWISE and self._recomputes_elementwise():
-            return RematWhereSmaller(otherwise=self, through=RECOMPUTABLE)
+            return RematWhereSmaller(instead=self, recomputes_through=RECOMPUTABLE)
         return self
 
     def _recomputes_elementwise(self) -> bool:
