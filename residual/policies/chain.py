@@ -12,7 +12,6 @@ from .._policy import Policy, check_hashable
 from .identity import Identity
 from .offload import Offload
 from .profile import Profile
-from .remat import RematWhereSmaller
 from .select import Select
 
 
@@ -87,7 +86,7 @@ class Chain(Policy):
             # A `select` stage may choose `Remat`: then nothing is stored to pass on.
             # Where it recomputes only if that stores less, what it stores instead
             # goes through the whole chain.
-            if isinstance(first, RematWhereSmaller):
+            if first.instead is not None:
                 return dataclasses.replace(first, instead=self)
             return first if first.recompute else self
         rest = self.policies[1:]
@@ -111,7 +110,7 @@ class Chain(Policy):
     def _first_stage(self, info: ResidualInfo) -> Policy:
         """What the first policy stores `info`'s residual with, when it is stored."""
         first = self.policies[0].resolve(info)
-        return first.instead if isinstance(first, RematWhereSmaller) else first
+        return first if first.instead is None else first.instead
 
 
 @dataclasses.dataclass(frozen=True)

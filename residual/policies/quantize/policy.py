@@ -300,7 +300,7 @@ ELEMENTWISE = frozenset({
 # row reductions (a softmax's maximum); never a matmul or a loop.
 RECOMPUTABLE = ELEMENTWISE | {
     "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice",
-    "reduce_max", "reduce_min", "reduce_sum", "stop_gradient", "copy", "copy_p", "iota",
+    "reduce_max", "reduce_min", "reduce_sum", "stop_gradient", "copy", "iota",
     "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
 }
 
