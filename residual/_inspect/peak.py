@@ -439,7 +439,8 @@ def _column_widths(cells: list[tuple[str, ...]], width: int | None) -> list[int]
 
 
 def _padded(r: PeakRow) -> str:
-    return f" (padded {r.padding:.0f}x)" if r.padding >= 1.5 else ""
+    factor = f"{r.padding:.1f}".removesuffix(".0")
+    return f" (padded {factor}x)" if r.padding >= 1.5 else ""
 
 
 def _cut(text: str, width: int) -> str:

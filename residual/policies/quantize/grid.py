@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .noise import random_bytes
 
@@ -111,19 +112,22 @@ def round_up(value: jnp.ndarray, dtype: np.dtype) -> jnp.ndarray:
                      jnp.nextafter(stored, jnp.asarray(jnp.inf, dtype)), stored)
 
 
-def fp8_codes(groups, lo, hi, fp8: np.dtype, scale_dtype: np.dtype) -> dict[str, jnp.ndarray]:
+def fp8_codes(groups, lo, hi, layout, fp8: np.dtype,
+              scale_dtype: np.dtype) -> dict[str, jnp.ndarray]:
     """fp8 codes `x / s` and the scale `s` of each group, `s = max|x| / max_fp8`."""
     top = float(jnp.finfo(fp8).max)
     scale = round_up(jnp.maximum(hi, -lo) / top, scale_dtype)
     safe = jnp.where(scale > 0, scale.astype(jnp.float32), 1.0)
-    return {"codes": (groups / safe).astype(fp8), "scale": scale}
+    return {"codes": (groups / layout.spread(safe)).astype(fp8), "scale": scale}
 
 
-def int_codes(groups, lo, hi, broken, axis, *, bits: int, scale_dtype: np.dtype,
+def int_codes(groups, lo, hi, broken, layout, *, bits: int, scale_dtype: np.dtype,
               square_grid: bool, salt: int | None) -> dict[str, jnp.ndarray]:
-    """`bits`-bit codes (one per byte), scales and zero-point bytes of groups spanning
-    `[lo, hi]`; `broken` groups hold a NaN or Inf, `square_grid` lets the groups it
-    suits take the square grid, `salt` (or None) seeds stochastic rounding."""
+    """`bits`-bit codes (one per byte), scales and zero-point bytes of the groups of
+    `layout` spanning `[lo, hi]` (per group, as `Layout.reduce` gives them); `broken`
+    groups hold a NaN or Inf, `square_grid` lets the groups it suits take the square
+    grid, `salt` (or None) seeds stochastic rounding."""
+    spread = layout.spread
     top = 2**bits - 1
     half = 2 ** (bits - 1)
     zero, step = zero_point(lo, hi, top)
@@ -134,23 +138,23 @@ def int_codes(groups, lo, hi, broken, axis, *, bits: int, scale_dtype: np.dtype,
     if square_grid:
         # None negative, mean below a quarter of the largest: values s * c^2.
         # A NaN makes the sum NaN and the group broken; neither is square.
-        total = jnp.sum(groups, axis=axis, keepdims=True)
-        square = ~broken & (lo >= 0) & (hi > 0) & (4 * total < hi * groups.shape[axis])
+        total = layout.reduce(groups, jnp.zeros((), groups.dtype), lax.add)
+        square = ~broken & (lo >= 0) & (hi > 0) & (4 * total < hi * layout.size)
         step = jnp.where(square, hi / top**2, step)
     # Quantize with the scale as stored (rounded up, so the grid still covers the
     # group), so unpack sees exactly what pack used.
     scale = round_up(step, scale_dtype)
     stored = scale.astype(jnp.float32)
-    ratio = groups / jnp.where(stored > 0, stored, 1.0)
-    position = ratio + zero  # in [0, 2^b - 1]
+    ratio = groups / spread(jnp.where(stored > 0, stored, 1.0))
+    position = ratio + spread(zero)  # in [0, 2^b - 1]
     # One random byte per element: 8 bits of noise keep the rounding unbiased to
     # within 1/512 of a step, at a quarter of the temporary of float noise.
     noise = None if salt is None else (
         random_bytes(groups, salt).astype(jnp.float32) + 0.5) / 256
     rounded = jnp.round(position) if noise is None else jnp.floor(position + noise)
     if square_grid:
-        rounded = jnp.where(square, square_root_code(ratio, noise), rounded)
-    codes = jnp.clip(rounded, jnp.where(broken, 1, 0), top)
+        rounded = jnp.where(spread(square), square_root_code(ratio, noise), rounded)
+    codes = jnp.clip(rounded, spread(jnp.where(broken, 1, 0)), top)
     zero = encode_zero(zero, top)
     if square_grid:
         zero = jnp.where(square, SQUARE, zero)
@@ -161,15 +165,16 @@ def int_codes(groups, lo, hi, broken, axis, *, bits: int, scale_dtype: np.dtype,
             "zero": zero.astype(jnp.uint8)}
 
 
-def int_values(codes, zero, scale, bits: int, square_grid: bool) -> jnp.ndarray:
-    """The float32 values of `int_codes`' codes (as groups), zero-point bytes and
-    scales (each with the group axis kept); NaN where a broken group has code 0."""
+def int_values(codes, zero, scale, layout, bits: int, square_grid: bool) -> jnp.ndarray:
+    """The float32 values of `int_codes`' codes (`layout.padded`), zero-point bytes and
+    scales (per group); NaN where a broken group has code 0."""
+    spread = layout.spread
     # NaN marks compare the integer codes: comparing their float copy instead
     # changes the TPU compiler's fusions (v5e, scan MLP int8: 0.79x plain's peak
     # against 0.69x).
     floats = codes.astype(jnp.float32)
-    grid = floats - decode_zero(zero, 2**bits - 1)
+    grid = floats - spread(decode_zero(zero, 2**bits - 1))
     if square_grid:
-        grid = jnp.where(zero == SQUARE, floats * floats, grid)
-    values = grid * jnp.abs(scale)
-    return jnp.where(jnp.signbit(scale) & (codes == 0), jnp.nan, values)
+        grid = jnp.where(spread(zero == SQUARE), floats * floats, grid)
+    values = grid * spread(jnp.abs(scale))
+    return jnp.where(spread(jnp.signbit(scale)) & (codes == 0), jnp.nan, values)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax.numpy as jnp
+from jax import lax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,26 +35,39 @@ class Layout:
         padded = self.padded
         return self.size if self.axis == len(padded) - 1 else padded[-1]
 
-    @property
-    def reduced(self) -> int:
-        """The axis of `split`'s result that holds one group's elements."""
-        return self.axis + 1
-
-    def split(self, x: jnp.ndarray) -> jnp.ndarray:
-        """`x` (the residual, or the codes: `padded`'s size) with `axis` split in groups."""
-        shape = self.padded
-        if x.size != math.prod(shape):  # the residual itself, to be padded
-            x = x.reshape(self.shape or (1,))
+    def to_padded(self, x: jnp.ndarray) -> jnp.ndarray:
+        """The residual in `padded`'s shape: zeros appended to its last axis."""
+        x = x.reshape(self.shape or (1,))
+        if self.pad:
             x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, self.pad)])
-        n = shape[self.axis] // self.size
-        return x.reshape(*shape[: self.axis], n, self.size, *shape[self.axis + 1 :])
+        return x
 
-    def merge(self, groups: jnp.ndarray) -> jnp.ndarray:
-        """The inverse of `split`: the residual's own shape, padding dropped."""
-        x = groups.reshape(self.padded)
+    def from_padded(self, x: jnp.ndarray) -> jnp.ndarray:
+        """The inverse of `to_padded`: the residual's own shape, padding dropped."""
         if self.pad:
             x = x[..., : x.shape[-1] - self.pad]
         return x.reshape(self.shape)
+
+    def reduce(self, operands, inits, computation):
+        """Each group's reduction of `padded`-shaped `operands` (an array or a tuple of
+        them, as `lax.reduce_window`): `axis` divided by `size`, the other axes kept.
+
+        A window over the values as they lie, never a reshape into `[..., n, size]`:
+        a TPU tiles the two minor axes, and a group axis of 64 there fills half of
+        each 128-lane tile, so the reshaped float takes twice its bytes.
+        """
+        ndim = len(self.padded)
+        window = tuple(self.size if i == self.axis else 1 for i in range(ndim))
+        return lax.reduce_window(operands, inits, computation, window, window, "VALID")
+
+    def spread(self, statistic: jnp.ndarray) -> jnp.ndarray:
+        """Each group's `statistic` (as `reduce` gives it) repeated over its elements."""
+        # A broadcast and a reshape that keeps the sharding of `axis` (under explicit
+        # mesh axes `jnp.repeat` asks for an output sharding).
+        grouped = jnp.expand_dims(statistic, self.axis + 1)
+        shape = list(grouped.shape)
+        shape[self.axis + 1] = self.size
+        return jnp.broadcast_to(grouped, shape).reshape(self.padded)
 
 
 def layout_of(shape: tuple[int, ...], group_size: int) -> Layout:

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 import jax.numpy as jnp
+from jax import lax
 
 from ..._engine.ordering import in_device_memory, several_devices
 from ..._info import ResidualInfo
@@ -202,40 +203,38 @@ class Quantize(Policy):
             # of it to save. Stored as it is.
             return x
         layout = layout_of(x.shape, self.group_size)
-        groups = layout.split(x.astype(jnp.float32))
+        groups = layout.to_padded(x.astype(jnp.float32))
         salt = salt_of(self.seed, info.index) if self.stochastic else None
         if several_devices([x]):
             # Each group's range and NaN check are its own: a predicate over the whole
             # residual would be an all-reduce across the devices, in every step.
-            packed = self._codes(groups, *finite_ranges(groups, layout.reduced), salt,
-                                 layout.reduced)
+            packed = self._codes(groups, *finite_ranges(groups, layout), salt, layout)
         else:
-            packed = self._pack_one_device(groups, salt, layout.reduced)
+            packed = self._pack_one_device(groups, salt, layout)
         # Codes keep the residual's layout (`[..., last]`, or `[..., last * bits / 8]`
         # bytes, the last axis padded to whole groups when it must be) and scales
         # its axes with the grouped one divided by the group size: under `jit` with
         # sharded activations they stay sharded like the residual. Merging axes (a
         # flat `(groups, group_size)` or a `ravel`) would make XLA's partitioner
         # replicate a residual sharded along its last axis (tensor parallelism).
-        codes = packed.pop("codes").reshape(layout.padded)
         if self.format == "int":
-            codes = pack_codes(codes, self.bits, layout.block)
-        return {"codes": codes, **{k: v.squeeze(layout.reduced) for k, v in packed.items()}}
+            packed["codes"] = pack_codes(packed["codes"], self.bits, layout.block)
+        return packed
 
-    def _pack_one_device(self, groups, salt, axis):
+    def _pack_one_device(self, groups, salt, layout):
         """Codes and statistics, with one check of the whole residual for NaN and Inf
         (cheaper than per group, and on one device no other device waits for it)."""
         # Plain max and min read the data directly: no float temporary the size of
         # the residual. An Inf shows in them, a NaN only mostly: XLA's CPU reductions
         # may skip one, depending on where it lies, so the clean branch checks again.
-        hi = jnp.max(groups, axis=axis, keepdims=True, initial=-jnp.inf)
-        lo = jnp.min(groups, axis=axis, keepdims=True, initial=jnp.inf)
+        hi = layout.reduce(groups, -jnp.inf, lax.max)
+        lo = layout.reduce(groups, jnp.inf, lax.min)
         clean = jnp.all(jnp.isfinite(hi) & jnp.isfinite(lo))
         # The `cond` is the only other reader of `groups`: more readers outside it
         # let XLA schedule several residuals' reductions early and keep their floats
         # alive together (in scanned layers).
-        fast = functools.partial(self._pack_clean, salt=salt, axis=axis)
-        slow = functools.partial(self._pack_any, salt=salt, axis=axis)
+        fast = functools.partial(self._pack_clean, salt=salt, layout=layout)
+        slow = functools.partial(self._pack_any, salt=salt, layout=layout)
         return cond(clean, fast, slow, groups, lo, hi)
 
     # XLA allocates the buffers of both branches for the conditional as a whole: a
@@ -243,24 +242,24 @@ class Quantize(Policy):
     # every call, clean data included. Both branches compute their codes into the
     # conditional's output, and their other values are per-group statistics.
 
-    def _pack_clean(self, groups, lo, hi, salt, axis):
+    def _pack_clean(self, groups, lo, hi, salt, layout):
         """No NaN or Inf seen by max and min: every code is a value, unless a sum,
         which no NaN escapes whatever the order of its additions, shows one after all."""
-        exact = functools.partial(finite_range, axis=axis)
+        exact = functools.partial(finite_range, layout=layout)
         check = jnp.isfinite(jnp.sum(groups))  # a finite sum that overflows costs time only
         lo, hi, broken = cond(check, as_they_are, exact, groups, lo, hi)
-        return self._codes(groups, lo, hi, broken, salt, axis)
+        return self._codes(groups, lo, hi, broken, salt, layout)
 
-    def _pack_any(self, groups, lo, hi, salt, axis):
+    def _pack_any(self, groups, lo, hi, salt, layout):
         """Some values are NaN or Inf: scales from the finite ones, code 0 for the rest."""
-        return self._codes(groups, *finite_range(groups, lo, hi, axis), salt, axis)
+        return self._codes(groups, *finite_range(groups, lo, hi, layout), salt, layout)
 
     @property
     def _square_grid(self) -> bool:
         """Whether some groups may go on the square grid (a static choice)."""
         return self.format == "int" and self.bits < 8 and self.grid == "auto"
 
-    def _codes(self, groups, lo, hi, broken, salt, axis) -> dict[str, jnp.ndarray]:
+    def _codes(self, groups, lo, hi, broken, salt, layout) -> dict[str, jnp.ndarray]:
         """Codes and per-group scales (and zero points) for groups spanning `[lo, hi]`.
 
         `lo` and `hi` from the finite values, both with the group axis kept (size 1),
@@ -268,8 +267,8 @@ class Quantize(Policy):
         or Inf.
         """
         if self.format != "int":
-            return fp8_codes(groups, lo, hi, FP8[self.format], self.scale_dtype)
-        return int_codes(groups, lo, hi, broken, axis, bits=self.bits,
+            return fp8_codes(groups, lo, hi, layout, FP8[self.format], self.scale_dtype)
+        return int_codes(groups, lo, hi, broken, layout, bits=self.bits,
                          scale_dtype=self.scale_dtype, square_grid=self._square_grid,
                          salt=salt)
 
@@ -277,15 +276,15 @@ class Quantize(Policy):
         if not isinstance(packed, dict):
             return packed  # stored as it is by `pack`: it was in host memory
         layout = layout_of(info.shape, self.group_size)
-        scale = jnp.expand_dims(packed["scale"].astype(jnp.float32), layout.reduced)
+        scale = packed["scale"].astype(jnp.float32)
         if self.format != "int":
-            values = layout.split(packed["codes"].astype(jnp.float32)) * scale
-            return layout.merge(values).astype(info.dtype)
+            values = packed["codes"].astype(jnp.float32) * layout.spread(scale)
+            return layout.from_padded(values).astype(info.dtype)
         size = math.prod(layout.padded)
-        codes = layout.split(unpack_codes(packed["codes"], self.bits, size, layout.block))
-        zero = jnp.expand_dims(packed["zero"], layout.reduced)
-        values = int_values(codes, zero, scale, self.bits, self._square_grid)
-        return layout.merge(values).astype(info.dtype)
+        codes = unpack_codes(packed["codes"], self.bits, size, layout.block)
+        values = int_values(codes.reshape(layout.padded), packed["zero"], scale, layout,
+                            self.bits, self._square_grid)
+        return layout.from_padded(values).astype(info.dtype)
 
 
 # What a fusion computes again from its operands rather than store: recomputing these

@@ -21,7 +21,7 @@ def as_they_are(groups, lo, hi):
     return lo, hi, jnp.zeros_like(hi, dtype=bool)
 
 
-def finite_range(groups, lo, hi, axis):
+def finite_range(groups, lo, hi, layout):
     """Some values are NaN or Inf: the groups' ranges over their finite values and
     zero, and which groups hold a non-finite value.
 
@@ -43,17 +43,17 @@ def finite_range(groups, lo, hi, axis):
                 jnp.maximum(finite_or_zero(a_hi), finite_or_zero(b_hi)), bad)
 
     zero = jnp.zeros((), groups.dtype)
-    lo, hi, bad = lax.reduce((groups,) * 3, (zero,) * 3, reducer, (axis,))
+    lo, hi, bad = layout.reduce((groups,) * 3, (zero,) * 3, reducer)
     # XLA takes `zero` for the reducer's identity, which it is not: it may leave it
     # out, and a group of one element comes back as that element, reducer unapplied.
     # So the results are filtered once more.
     lo = jnp.minimum(finite_or_zero(lo), 0.0)
     hi = jnp.maximum(finite_or_zero(hi), 0.0)
-    return tuple(jnp.expand_dims(v, axis) for v in (lo, hi, ~jnp.isfinite(bad)))
+    return lo, hi, ~jnp.isfinite(bad)
 
 
-def finite_ranges(groups, axis):
-    """Each group's range over its finite values (`lo`, `hi`, the group axis kept),
+def finite_ranges(groups, layout):
+    """Each group's range over its finite values (`lo`, `hi`, as `Layout.reduce` gives them),
     and which groups hold a NaN or Inf (`broken`); `lo = hi = 0` for a group with no
     finite value.
 
@@ -74,9 +74,9 @@ def finite_ranges(groups, axis):
                 jnp.maximum(finite_or(a_hi, -jnp.inf), finite_or(b_hi, -jnp.inf)), bad)
 
     inits = tuple(jnp.array(v, groups.dtype) for v in (jnp.inf, -jnp.inf, 0.0))
-    lo, hi, bad = lax.reduce((groups,) * 3, inits, reducer, (axis,))
+    lo, hi, bad = layout.reduce((groups,) * 3, inits, reducer)
     # XLA may leave the identities out: a group of one element comes back as that
     # element, reducer unapplied. A group without a finite value has lo > hi.
     kept = jnp.isfinite(lo) & jnp.isfinite(hi)
     lo, hi = jnp.where(kept, lo, 0.0), jnp.where(kept, hi, 0.0)
-    return tuple(jnp.expand_dims(v, axis) for v in (lo, hi, ~jnp.isfinite(bad) | ~kept))
+    return lo, hi, ~jnp.isfinite(bad) | ~kept
