@@ -145,7 +145,7 @@ def int_codes(groups, lo, hi, broken, layout, *, bits: int, scale_dtype: np.dtyp
     # group), so unpack sees exactly what pack used.
     scale = round_up(step, scale_dtype)
     stored = scale.astype(jnp.float32)
-    ratio = groups / spread(jnp.where(stored > 0, stored, 1.0))
+    ratio = groups * spread(1.0 / jnp.where(stored > 0, stored, 1.0))
     position = ratio + spread(zero)  # in [0, 2^b - 1]
     # One random byte per element: 8 bits of noise keep the rounding unbiased to
     # within 1/512 of a step, at a quarter of the temporary of float noise.
