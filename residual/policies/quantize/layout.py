@@ -21,6 +21,7 @@ class Layout:
     axis: int  # the axis the groups run along, in `padded`
     size: int  # elements per group
     pad: int  # zeros added at the end of the last axis
+    windows: bool = False  # reduce over windows of the values as they lie (TPU)
 
     @property
     def padded(self) -> tuple[int, ...]:
@@ -35,33 +36,51 @@ class Layout:
         padded = self.padded
         return self.size if self.axis == len(padded) - 1 else padded[-1]
 
-    def to_padded(self, x: jnp.ndarray) -> jnp.ndarray:
-        """The residual in `padded`'s shape: zeros appended to its last axis."""
+    def group(self, x: jnp.ndarray) -> jnp.ndarray:
+        """The residual as `reduce` and `spread` see it: in `padded`'s shape, and with
+        `axis` split into `[n, size]` groups unless `windows`."""
         x = x.reshape(self.shape or (1,))
         if self.pad:
             x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, self.pad)])
-        return x
+        return x if self.windows else x.reshape(self._split)
 
-    def from_padded(self, x: jnp.ndarray) -> jnp.ndarray:
-        """The inverse of `to_padded`: the residual's own shape, padding dropped."""
+    def regroup(self, codes: jnp.ndarray) -> jnp.ndarray:
+        """Codes (of `padded`'s size) as `group` gives the values."""
+        return codes.reshape(self.padded if self.windows else self._split)
+
+    def ungroup(self, values: jnp.ndarray) -> jnp.ndarray:
+        """The inverse of `group`: the residual's own shape, padding dropped."""
+        x = values.reshape(self.padded)
         if self.pad:
             x = x[..., : x.shape[-1] - self.pad]
         return x.reshape(self.shape)
 
     def reduce(self, operands, inits, computation):
-        """Each group's reduction of `padded`-shaped `operands` (an array or a tuple of
-        them, as `lax.reduce_window`): `axis` divided by `size`, the other axes kept.
+        """Each group's reduction of `group`'s values (an array or a tuple of them, as
+        `lax.reduce`): one value per group, the group axis kept (size 1) unless `windows`.
 
-        A window over the values as they lie, never a reshape into `[..., n, size]`:
-        a TPU tiles the two minor axes, and a group axis of 64 there fills half of
-        each 128-lane tile, so the reshaped float takes twice its bytes.
+        With `windows`, a window over the values as they lie, never a reshape into
+        `[..., n, size]`: a TPU tiles the two minor axes, and a group axis of 64 there
+        fills half of each 128-lane tile, so the reshaped float takes twice its bytes.
+        Elsewhere the reshape is free, and XLA:CPU and XLA:GPU fuse the grouped
+        computation better (an H100 transformer's int8 peak, 0.37x plain's against
+        0.44x by windows).
         """
-        ndim = len(self.padded)
-        window = tuple(self.size if i == self.axis else 1 for i in range(ndim))
-        return lax.reduce_window(operands, inits, computation, window, window, "VALID")
+        if self.windows:
+            ndim = len(self.padded)
+            window = tuple(self.size if i == self.axis else 1 for i in range(ndim))
+            return lax.reduce_window(operands, inits, computation, window, window, "VALID")
+        axis = self.axis + 1
+        if isinstance(operands, tuple):
+            reduced = lax.reduce(operands, inits, computation, (axis,))
+            return tuple(jnp.expand_dims(r, axis) for r in reduced)
+        plain = {lax.max: jnp.max, lax.min: jnp.min, lax.add: jnp.sum}[computation]
+        return plain(operands, axis=axis, keepdims=True, initial=inits)
 
     def spread(self, statistic: jnp.ndarray) -> jnp.ndarray:
-        """Each group's `statistic` (as `reduce` gives it) repeated over its elements."""
+        """Each group's `statistic` (as `reduce` gives it) over its elements."""
+        if not self.windows:
+            return statistic  # broadcasts against the groups
         # A broadcast and a reshape that keeps the sharding of `axis` (under explicit
         # mesh axes `jnp.repeat` asks for an output sharding).
         grouped = jnp.expand_dims(statistic, self.axis + 1)
@@ -69,8 +88,22 @@ class Layout:
         shape[self.axis + 1] = self.size
         return jnp.broadcast_to(grouped, shape).reshape(self.padded)
 
+    def stored(self, statistic: jnp.ndarray) -> jnp.ndarray:
+        """A statistic as stored: one value per group, `axis` divided by `size`."""
+        return statistic if self.windows else statistic.squeeze(self.axis + 1)
 
-def layout_of(shape: tuple[int, ...], group_size: int) -> Layout:
+    def unstored(self, statistic: jnp.ndarray) -> jnp.ndarray:
+        """The inverse of `stored`."""
+        return statistic if self.windows else jnp.expand_dims(statistic, self.axis + 1)
+
+    @property
+    def _split(self) -> tuple[int, ...]:
+        shape = self.padded
+        n = shape[self.axis] // self.size
+        return (*shape[: self.axis], n, self.size, *shape[self.axis + 1 :])
+
+
+def layout_of(shape: tuple[int, ...], group_size: int, windows: bool = False) -> Layout:
     """Groups of at most `group_size` elements along one axis, for any shape.
 
     - The last axis, in groups of `group_size`, when it divides the axis (the usual
@@ -82,17 +115,18 @@ def layout_of(shape: tuple[int, ...], group_size: int) -> Layout:
       the axis padded with fewer zeros than there are groups.
 
     So a scale never spans more than `group_size` values, and never the whole tensor.
+    `windows`: see `Layout.reduce`.
     """
     shape = tuple(shape)
     dims = shape or (1,)
     last, axis = dims[-1], len(dims) - 1
     if last % group_size == 0:
-        return Layout(shape, axis, group_size, 0)
+        return Layout(shape, axis, group_size, 0, windows)
     if last < group_size:
         for earlier in reversed(range(axis)):
             if dims[earlier] and dims[earlier] % group_size == 0:
-                return Layout(shape, earlier, group_size, 0)
-        return Layout(shape, axis, last, 0)
+                return Layout(shape, earlier, group_size, 0, windows)
+        return Layout(shape, axis, last, 0, windows)
     count = -(-last // group_size)
     size = -(-last // count)
-    return Layout(shape, axis, size, count * size - last)
+    return Layout(shape, axis, size, count * size - last, windows)

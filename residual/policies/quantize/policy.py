@@ -193,8 +193,7 @@ class Quantize(Policy):
         """
         if self.elementwise != "auto":
             return self.elementwise == "recompute"
-        return (self.format != "int" or self.bits == 8) and \
-            platform_family(program_device().platform) == "tpu"
+        return (self.format != "int" or self.bits == 8) and _for_a_tpu()
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> dict[str, jnp.ndarray] | jnp.ndarray:
         if not in_device_memory(x):
@@ -202,8 +201,8 @@ class Quantize(Policy):
             # function): XLA cannot compute on host memory, and the device holds none
             # of it to save. Stored as it is.
             return x
-        layout = layout_of(x.shape, self.group_size)
-        groups = layout.to_padded(x.astype(jnp.float32))
+        layout = layout_of(x.shape, self.group_size, windows=_for_a_tpu())
+        groups = layout.group(x.astype(jnp.float32))
         salt = salt_of(self.seed, info.index) if self.stochastic else None
         if several_devices([x]):
             # Each group's range and NaN check are its own: a predicate over the whole
@@ -217,9 +216,10 @@ class Quantize(Policy):
         # sharded activations they stay sharded like the residual. Merging axes (a
         # flat `(groups, group_size)` or a `ravel`) would make XLA's partitioner
         # replicate a residual sharded along its last axis (tensor parallelism).
+        codes = packed.pop("codes").reshape(layout.padded)
         if self.format == "int":
-            packed["codes"] = pack_codes(packed["codes"], self.bits, layout.block)
-        return packed
+            codes = pack_codes(codes, self.bits, layout.block)
+        return {"codes": codes, **{k: layout.stored(v) for k, v in packed.items()}}
 
     def _pack_one_device(self, groups, salt, layout):
         """Codes and statistics, with one check of the whole residual for NaN and Inf
@@ -275,16 +275,16 @@ class Quantize(Policy):
     def unpack(self, packed: dict[str, jnp.ndarray], info: ResidualInfo) -> jnp.ndarray:
         if not isinstance(packed, dict):
             return packed  # stored as it is by `pack`: it was in host memory
-        layout = layout_of(info.shape, self.group_size)
-        scale = packed["scale"].astype(jnp.float32)
+        layout = layout_of(info.shape, self.group_size, windows=_for_a_tpu())
+        scale = layout.unstored(packed["scale"].astype(jnp.float32))
         if self.format != "int":
-            values = packed["codes"].astype(jnp.float32) * layout.spread(scale)
-            return layout.from_padded(values).astype(info.dtype)
+            values = layout.regroup(packed["codes"].astype(jnp.float32)) * layout.spread(scale)
+            return layout.ungroup(values).astype(info.dtype)
         size = math.prod(layout.padded)
-        codes = unpack_codes(packed["codes"], self.bits, size, layout.block)
-        values = int_values(codes.reshape(layout.padded), packed["zero"], scale, layout,
-                            self.bits, self._square_grid)
-        return layout.from_padded(values).astype(info.dtype)
+        codes = layout.regroup(unpack_codes(packed["codes"], self.bits, size, layout.block))
+        values = int_values(codes, layout.unstored(packed["zero"]), scale, layout, self.bits,
+                            self._square_grid)
+        return layout.ungroup(values).astype(info.dtype)
 
 
 # What a fusion computes again from its operands rather than store: recomputing these
@@ -302,6 +302,11 @@ RECOMPUTABLE = ELEMENTWISE | {
     "reduce_max", "reduce_min", "reduce_sum", "stop_gradient", "copy", "iota",
     "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
 }
+
+
+def _for_a_tpu() -> bool:
+    """Whether the program being traced is for a TPU (`Layout.reduce` says why)."""
+    return platform_family(program_device().platform) == "tpu"
 
 
 def _is_row_statistic(shape: tuple[int, ...]) -> bool:
