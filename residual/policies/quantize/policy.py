@@ -262,9 +262,8 @@ class Quantize(Policy):
     def _codes(self, groups, lo, hi, broken, salt, layout) -> dict[str, jnp.ndarray]:
         """Codes and per-group scales (and zero points) for groups spanning `[lo, hi]`.
 
-        `lo` and `hi` from the finite values, both with the group axis kept (size 1),
-        `axis` that of the groups' elements; `broken` marks the groups holding a NaN
-        or Inf.
+        `lo` and `hi` from the finite values, one per group as `layout.reduce` gives
+        them; `broken` marks the groups holding a NaN or Inf.
         """
         if self.format != "int":
             return fp8_codes(groups, lo, hi, layout, FP8[self.format], self.scale_dtype)
