@@ -299,16 +299,17 @@ def _gelu_mlp(ws, x):
 @needs_tpu
 @pytest.mark.slow
 def test_quantize_recomputing_elementwise_keeps_a_tpu_gelu_mlp_at_plains_peak():
-    # Measured on v5e, jax 0.12.0.1: packing every residual takes 1.43x plain's peak (the
+    # Measured on v5e, jax 0.12.0.1: packing every residual takes 1.10x plain's peak (the
     # TPU compiler fuses GELU's elementwise chain and stores little of it; packed, each
     # of its terms is a float the forward materializes); packing the matmul outputs and
-    # recomputing the chain from them, 0.99x.
+    # recomputing the chain from them, 0.89x (1.43x and 0.99x with groups along the
+    # last axis instead of down the rows).
     ws, x = mlp_params(layers=8, width=512, batch=2048)
     plain = residual.compiled_memory(jax.grad(_gelu_mlp), ws, x, target="v5e").peak
     peaks = {e: residual.compiled_memory(jax.grad(residual.with_hooks(
         _gelu_mlp, policy=rp.Quantize(bits=8, elementwise=e))), ws, x, target="v5e").peak / plain
         for e in ("pack", "recompute", "auto")}
-    assert peaks["recompute"] <= 1.0 and peaks["pack"] > 1.2, peaks
+    assert peaks["recompute"] <= 0.95 and peaks["pack"] > 1.05, peaks
     assert peaks["auto"] == peaks["recompute"], peaks
 
 

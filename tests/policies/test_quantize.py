@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -15,6 +16,7 @@ import residual
 from residual import ResidualInfo
 from residual import _jax_private as jp
 from residual import policies as rp
+from residual.policies.quantize import policy as quantize_policy
 from residual.policies.quantize.policy import ELEMENTWISE
 from tests.helpers import (
     SPLIT_K_SCRATCH,
@@ -581,3 +583,69 @@ def relative_error_of_all(got, expected) -> float:
     """||g - g_plain|| / ||g_plain|| over every gradient together, as docs/policies.md."""
     flat = lambda tree: jnp.concatenate([a.ravel() for a in jax.tree.leaves(tree)])  # noqa: E731
     return float(jnp.linalg.norm(flat(got) - flat(expected)) / jnp.linalg.norm(flat(expected)))
+
+
+def _as_for_a_tpu(monkeypatch):
+    monkeypatch.setattr(quantize_policy, "_for_a_tpu", lambda: True)
+
+
+@pytest.fixture
+def tpu_layouts(monkeypatch):
+    """Quantize groups residuals as it does in a program for a TPU, here run on this
+    backend: the numbers a TPU computes, which compile-only TPU tests never run."""
+    _as_for_a_tpu(monkeypatch)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_tpu_windows_give_the_codes_of_reshaped_groups(bits, monkeypatch):
+    # Along the last axis, a TPU reduces over windows and spreads by broadcasting;
+    # elsewhere groups are reshaped. Same codes and statistics, bit for bit.
+    rows = 10.0 ** jnp.arange(6, dtype=jnp.float32)[:, None]
+    x = jax.random.normal(jax.random.key(11), (6, 200)) * rows
+    x = x.at[2, 7].set(jnp.nan).at[4, 150].set(jnp.inf)
+    info = dataclasses.replace(_info(x), in_scan=True)  # in a scan body: windows, not rows
+    policy = rp.Quantize(bits=bits, min_bytes=0)
+    grouped = policy.pack(x, info)
+    values = policy.unpack(grouped, info)
+    _as_for_a_tpu(monkeypatch)
+    windowed = policy.pack(x, info)
+    for key in grouped:
+        np.testing.assert_array_equal(windowed[key], grouped[key], err_msg=key)
+    np.testing.assert_array_equal(policy.unpack(windowed, info), values)
+
+
+@pytest.mark.usefixtures("tpu_layouts")
+def test_tpu_int8_codes_group_down_the_rows_outside_scans():
+    # Columns 1000 times apart: each group of 64 rows holds one column's values.
+    scales = 1000.0 ** (jnp.arange(128) % 3).astype(jnp.float32)
+    x = jax.random.normal(jax.random.key(12), (256, 128)) * scales
+    x = x.at[70, 5].set(jnp.nan)
+    packed, y = _round_trip(rp.Quantize(bits=8), x)
+    assert packed["codes"].shape == (256, 128) and packed["scale"].shape == (4, 128)
+    assert bool(jnp.isnan(y[70, 5])) and int(jnp.sum(jnp.isnan(y))) == 1
+    # Within half a step of its group's range, as along the last axis: <= absmax / 254.
+    finite = ~jnp.isnan(x)
+    groups = jnp.abs(jnp.where(finite, x, 0)).reshape(4, 64, 128).max(1)
+    bound = jnp.repeat(groups, 64, axis=0) / 254 * (1 + 1e-6)
+    assert bool(jnp.all(jnp.where(finite, jnp.abs(y - x) <= bound, True)))
+    # In a scan body, at 4 bits and in fp8, the groups stay along the last axis.
+    in_scan = dataclasses.replace(_info(x), in_scan=True)
+    assert rp.Quantize(bits=8).pack(x, in_scan)["scale"].shape == (256, 2)
+    assert rp.Quantize(bits=4).pack(x, _info(x))["scale"].shape == (256, 2)
+    assert rp.Quantize(format="fp8_e4m3").pack(x, _info(x))["scale"].shape == (256, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("tpu_layouts")
+@pytest.mark.parametrize("model", [*MODELS, "scan_mlp", "unrolled_mlp"])
+def test_gradient_error_with_tpu_layouts(model):
+    if model in MODELS:
+        loss, params, x = MODELS[model]()
+    else:
+        loss = {"scan_mlp": scan_mlp, "unrolled_mlp": unrolled_mlp}[model]
+        params, x = mlp_params(layers=4, width=256, batch=256)
+    expected = jax.jit(jax.grad(loss, (0, 1)))(params, x)
+    for policy, bound in [(rp.Quantize(bits=8), 0.01), (rp.Quantize(format="fp8_e4m3"), 0.05),
+                          (rp.Quantize(bits=4), 0.10)]:
+        g = jax.jit(jax.grad(residual.with_hooks(loss, policy=policy), (0, 1)))
+        assert relative_error_of_all(g(params, x), expected) <= bound, policy

@@ -92,6 +92,13 @@ class Layout:
         """A statistic as stored: one value per group, `axis` divided by `size`."""
         return statistic if self.windows else statistic.squeeze(self.axis + 1)
 
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape of a statistic as `stored` gives it."""
+        shape = list(self.padded)
+        shape[self.axis] //= self.size
+        return tuple(shape)
+
     def unstored(self, statistic: jnp.ndarray) -> jnp.ndarray:
         """The inverse of `stored`."""
         return statistic if self.windows else jnp.expand_dims(statistic, self.axis + 1)
@@ -103,7 +110,8 @@ class Layout:
         return (*shape[: self.axis], n, self.size, *shape[self.axis + 1 :])
 
 
-def layout_of(shape: tuple[int, ...], group_size: int, windows: bool = False) -> Layout:
+def layout_of(shape: tuple[int, ...], group_size: int, windows: bool = False,
+              rows: bool = False) -> Layout:
     """Groups of at most `group_size` elements along one axis, for any shape.
 
     - The last axis, in groups of `group_size`, when it divides the axis (the usual
@@ -115,9 +123,14 @@ def layout_of(shape: tuple[int, ...], group_size: int, windows: bool = False) ->
       the axis padded with fewer zeros than there are groups.
 
     So a scale never spans more than `group_size` values, and never the whole tensor.
-    `windows`: see `Layout.reduce`.
+    `windows`: see `Layout.reduce`. `rows`: groups run down the second-to-last axis
+    instead (`group_size` rows of one column) where `group_size` divides it and whole
+    128-lane tiles fill the last one (`fits_rows`): a TPU then keeps the statistics
+    lane-dense and spreads them over their groups with a reshape that moves no data.
     """
     shape = tuple(shape)
+    if rows and fits_rows(shape, group_size):
+        return Layout(shape, len(shape) - 2, group_size, 0)
     dims = shape or (1,)
     last, axis = dims[-1], len(dims) - 1
     if last % group_size == 0:
@@ -130,3 +143,8 @@ def layout_of(shape: tuple[int, ...], group_size: int, windows: bool = False) ->
     count = -(-last // group_size)
     size = -(-last // count)
     return Layout(shape, axis, size, count * size - last, windows)
+
+
+def fits_rows(shape: tuple[int, ...], group_size: int) -> bool:
+    """Whether `layout_of(..., rows=True)` groups `shape` down its rows."""
+    return len(shape) >= 2 and shape[-2] % group_size == 0 and shape[-1] % 128 == 0
