@@ -16,9 +16,10 @@ from collections.abc import Iterable
 import numpy as np
 
 # Memory spaces (XLA's colors): 0 is the device's main memory (HBM, or the CPU's
-# RAM). TPUs also use on-chip scratch memory (1) and a semaphore space (2), and put
-# offloaded (`pinned_host`) buffers in 5; none of these count in the device's peak.
+# RAM). TPUs also use on-chip memory (1) and a semaphore space (2), and put
+# offloaded (`pinned_host`) buffers in 5.
 DEVICE = 0
+ON_CHIP = 1
 HOST = 5
 
 _VALUE = re.compile(
@@ -80,8 +81,9 @@ class Program:
     order: tuple[str, ...]
     op_names: dict[str, str]
 
-    def live_bytes(self, space: int = DEVICE) -> np.ndarray:
-        """Bytes of `space` live at each position of the program's order.
+    def live_bytes(self, space: int = DEVICE, roles: Iterable[str] | None = None) -> np.ndarray:
+        """Bytes of `space` live at each position of the program's order (of buffers
+        whose role is one of `roles`, when given).
 
         Values XLA placed at the same allocation and offset (a loop's carry, an
         in-place update) share memory: counted once, at the largest of their sizes.
@@ -89,7 +91,7 @@ class Program:
         length = len(self.order) + 1
         slots: dict[tuple[int, int], list[Buffer]] = {}
         for b in self.buffers:
-            if b.space == space:
+            if b.space == space and (roles is None or b.role in roles):
                 slots.setdefault((b.allocation, b.offset), []).append(b)
         live = np.zeros(length, dtype=np.int64)
         for group in slots.values():
