@@ -31,6 +31,7 @@ import _models as models
 import _targets
 
 import residual
+from residual import _target
 from residual import policies as rp
 
 POLICIES = {
@@ -63,18 +64,38 @@ PLAIN: dict[str, residual.Memory] = {}
 ONLY: set[str] | None = None
 
 
+# For a TPU target: each column's plain and per-policy working values in device and
+# on-chip memory (`residual.Peak.working`); the compiler's peak counts the larger.
+WORKING: dict[str, dict[str, dict[str, int]]] = {}
+
+
 def grad_memory(fn, *args, target=None) -> residual.Memory:
     return residual.compiled_memory(jax.grad(fn), *args, target=target)
 
 
+def grad_peak(fn, *args, target=None) -> tuple[residual.Memory, dict[str, int]]:
+    """The compiled memory of `jax.grad(fn)` and its working values per memory space:
+    on a TPU read from the buffer assignment (one compile), elsewhere `beyond`."""
+    if _target.resolve(target).platform != "tpu":
+        memory = grad_memory(fn, *args, target=target)
+        return memory, {"device": memory.beyond}
+    p = residual.peak(jax.grad(fn), *args, target=target)
+    return p.memory, p.working
+
+
 def measure(name, model, args, targets, checkpoint_models=(), target=None, column=None):
-    plain = grad_memory(model, *args, target=target)
+    plain, plain_working = grad_peak(model, *args, target=target)
     print(f"\n{name}: plain jax.grad peak {plain.peak / 2**20:.1f} MiB, "
-          f"{plain.beyond / 2**20:.1f} MiB of it beyond arguments and outputs")
+          f"{plain.beyond / 2**20:.1f} MiB of it beyond arguments and outputs"
+          + "".join(f", {space} {b / 2**20:.1f} MiB" for space, b in plain_working.items()
+                    if len(plain_working) > 1))
+    spaces = [space for space in plain_working if len(plain_working) > 1]
     print(f"  {'policy':24s} {'stored/residual':>16s} {'peak vs plain':>14s} "
-          f"{'beyond vs plain':>16s} {'peak MiB':>9s}")
+          f"{'beyond vs plain':>16s} {'peak MiB':>9s}"
+          + "".join(f" {space + ' MiB':>13s}" for space in spaces))
     ratios, table = {}, TABLE.setdefault(column or name, {})
     PLAIN[column or name] = plain
+    working = WORKING.setdefault(column or name, {"plain": plain_working})
     rows = [(label, residual.with_hooks(model, policy=policy), policy)
             for label, policy in POLICIES.items()]
     rows += [(label, checkpointed, None) for label, checkpointed in checkpoint_models]
@@ -83,13 +104,14 @@ def measure(name, model, args, targets, checkpoint_models=(), target=None, colum
     for label, fn, policy in rows:
         stored = "" if policy is None else "{:.2f}".format(residual.inspect(
             model, *args, policy=policy, compiled=False, target=target).totals["ratio"])
-        hooked = grad_memory(fn, *args, target=target)
+        hooked, working[label] = grad_peak(fn, *args, target=target)
         peak, beyond = hooked.peak / plain.peak, hooked.beyond / max(plain.beyond, 1)
         ratios[label] = beyond
         ratios[label, "peak"] = peak
         table[label] = peak, beyond
         print(f"  {label:24s} {stored:>16s} {peak:14.2f} {beyond:16.2f} "
-              f"{hooked.peak / 2**20:9.1f}")
+              f"{hooked.peak / 2**20:9.1f}"
+              + "".join(f" {working[label][space] / 2**20:13.1f}" for space in spaces))
     return _targets.report(ratios, targets)
 
 
@@ -209,6 +231,24 @@ def _markdown(where: str) -> str:
             cells.append(f"{peak:.2f}" if round(peak, 2) == round(beyond, 2)
                          else f"{peak:.2f} / {beyond:.2f}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if any("on-chip" in w["plain"] for w in WORKING.values()):
+        lines += ["", _working_markdown(where)]
+    return "\n".join(lines)
+
+
+def _working_markdown(where: str) -> str:
+    """On a TPU: each program's working values in device memory / on-chip memory (MiB),
+    each space's own peak; the compiler's peak counts the larger."""
+    columns = [c for c in WORKING if "on-chip" in WORKING[c]["plain"]]
+    lines = [f"| {where}: device / on-chip MiB | " + " | ".join(columns) + " |",
+             "|---" * (len(columns) + 1) + "|"]
+    labels = list(dict.fromkeys(label for c in columns for label in WORKING[c]))
+    for label in labels:
+        cells = [f"{WORKING[c][label]['device'] / 2**20:,.0f} / "
+                 f"{WORKING[c][label]['on-chip'] / 2**20:,.0f}" if label in WORKING[c]
+                 else "-" for c in columns]
+        name = "plain `jax.grad`" if label == "plain" else label
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -36,6 +36,8 @@ KINDS = {
 # The memory spaces a platform's working values live in: device memory, and on TPU the
 # on-chip memory the compiler moves values into (listed as a space of its own).
 _SPACES = {"tpu": (buffers.DEVICE, buffers.ON_CHIP)}
+# A program's working values: its temporaries (not its arguments, outputs, constants).
+_WORKING = ("temporary",)
 _SPARK = " ▁▂▃▄▅▆▇█"
 
 
@@ -88,6 +90,10 @@ class Peak:
         target: where it was compiled (`"cpu"`, `"v5e"`, ...).
         host_bytes: bytes in host memory (offloaded) at the peak.
         notes: findings: decisions that took no effect, padding, what the rows leave out.
+        working: each memory space's own peak of working values (temporaries), each at
+            its own moment: on TPU `{"device": ..., "on-chip": ...}` as XLA's live
+            ranges give them (its compiler's peak counts the larger), elsewhere
+            `{"device": memory.beyond}`, the compiler's own figure.
     """
 
     memory: Memory
@@ -98,6 +104,7 @@ class Peak:
     target: str
     host_bytes: int = 0
     notes: tuple[str, ...] = ()
+    working: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def live_bytes(self) -> int:
@@ -308,7 +315,10 @@ def read(compiled: jax.stages.Compiled, texts: dict[str, str],
 def from_program(program: buffers.Program, memory: Memory, target: str) -> Peak:
     """The `Peak` of a parsed program whose compiler's figures are `memory`."""
     notes = []
+    working = {"device": memory.beyond}
     if memory.platform == "tpu":
+        working = {"device": int(program.live_bytes(buffers.DEVICE, _WORKING).max()),
+                   "on-chip": int(program.live_bytes(buffers.ON_CHIP, _WORKING).max())}
         space, timeline, position, note = _tpu_peak(program)
         notes.append(note)
         # The compiler counts the arguments and outputs whole, and the working values
@@ -341,7 +351,8 @@ def from_program(program: buffers.Program, memory: Memory, target: str) -> Peak:
             "are small (per-group statistics, narrow heads) occupy whole tiles there."
         )
     host = sum(b.bytes for b in program.live_at(position, buffers.HOST))
-    return Peak(memory, tuple(rows), timeline, position, backward, target, host, tuple(notes))
+    return Peak(memory, tuple(rows), timeline, position, backward, target, host, tuple(notes),
+                working)
 
 
 def _tpu_peak(program: buffers.Program) -> tuple[int, np.ndarray, int, str]:
@@ -357,8 +368,7 @@ def _tpu_peak(program: buffers.Program) -> tuple[int, np.ndarray, int, str]:
     (docs/peak.md); the sum of both spaces at one moment, on none.
     """
     whole = sum(b.bytes for b in _arguments_and_outputs(program))
-    working = {s: program.live_bytes(s, roles=("temporary", "constant"))
-               for s in (buffers.DEVICE, buffers.ON_CHIP)}
+    working = {s: program.live_bytes(s, _WORKING) for s in (buffers.DEVICE, buffers.ON_CHIP)}
     space = max(working, key=lambda s: int(working[s].max()))
     position = int(np.argmax(working[space]))
     device, chip = (int(working[s].max()) for s in (buffers.DEVICE, buffers.ON_CHIP))

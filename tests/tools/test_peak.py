@@ -50,6 +50,7 @@ def test_rows_add_up_to_the_compilers_peak(program):
     assert p.timeline.max() == p.live_bytes <= p.memory.peak
     assert p.position == int(np.argmax(p.timeline))
     assert "as the compiler's peak" in p.text()
+    assert p.working == {"device": p.memory.beyond}
 
 
 def test_one_big_temporary_is_the_largest_row():
@@ -210,6 +211,8 @@ def test_tpu_rows_and_quantize_statistics_in_whole_tiles():
     assert "as the compiler's peak" in int4.text()
     # Small working values fit in on-chip memory, whose peak is then the larger one.
     for p in (plain, int4):
+        assert p.working["on-chip"] > p.working["device"], p.working
+        assert p.memory.beyond == pytest.approx(p.working["on-chip"], rel=0.01), p.working
         assert any("on-chip memory's values at its peak" in n for n in p.notes), p.notes
         assert {r.space for r in p.rows
                 if r.kind not in ("argument", "output", "unplaced")} == {1}, p.text()
@@ -232,6 +235,8 @@ def test_tpu_peak_of_stored_activations_in_device_memory():
     p = residual.peak(jax.grad(_scan_mlp), ws, x, target="v5e")
     assert _adds_up(p), p.text()
     assert any("device memory's values at its peak" in n for n in p.notes), p.notes
+    assert p.memory.beyond == pytest.approx(p.working["device"], rel=0.01), p.working
+    assert p.working["on-chip"] < p.working["device"], p.working
     stored = [r for r in p.rows if r.kind == "stored"]
     assert stored and all(r.space == 0 for r in p.rows), p.text()
     assert sum(r.unpadded for r in stored) >= 8 * 4096 * 1024 * 4, p.text()
