@@ -147,10 +147,12 @@ def measure_vmap(ws, x, target=None) -> int:
     ])
 
 
-def main(small: bool, target: str | None = None, markdown: bool = False) -> int:
+def main(small: bool, target: str | None = None, markdown: bool = False,
+         batch: int | None = None) -> int:
     where = f"compiled for {target}" if target else f"{jax.devices()[0].platform}"
     print(f"jax {jax.__version__}, {where}")
-    layers, batch, width = (8, 512, 256) if small else (8, 4096, 1024)
+    layers, default_batch, width = (8, 512, 256) if small else (8, 4096, 1024)
+    batch = batch or default_batch
     blocks, t_width, seq, t_batch = (4, 128, 64, 4) if small else (4, 256, 256, 16)
     checkpoints = [
         ("jax.checkpoint nothing", models.checkpointed_scan_mlp(
@@ -260,6 +262,9 @@ if __name__ == "__main__":
                         "h200, a100, cpu (default: the running backend)")
     parser.add_argument("--markdown", action="store_true",
                         help="also print the docs' table (peak / beyond ratios)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="the MLPs' batch (default 4096): larger, the working values "
+                        "outgrow a TPU's on-chip memory and device memory sets the peak")
     parser.add_argument("--policies", nargs="+", metavar="LABEL",
                         help="measure only these rows, e.g. 'Quantize int4' (no target "
                         "is checked then)")
@@ -271,4 +276,4 @@ if __name__ == "__main__":
             parser.error(f"unknown rows {sorted(unknown)}; the rows are {list(POLICIES)} "
                          "and 'jax.checkpoint nothing', 'jax.checkpoint dots'")
         ONLY = set(args.policies)
-    raise SystemExit(main(args.small, args.target, args.markdown))
+    raise SystemExit(main(args.small, args.target, args.markdown, args.batch))
