@@ -85,11 +85,10 @@ def grad_peak(fn, *args, target=None) -> tuple[residual.Memory, dict[str, int]]:
 
 def measure(name, model, args, targets, checkpoint_models=(), target=None, column=None):
     plain, plain_working = grad_peak(model, *args, target=target)
+    spaces = list(plain_working) if len(plain_working) > 1 else []  # a TPU's two
     print(f"\n{name}: plain jax.grad peak {plain.peak / 2**20:.1f} MiB, "
           f"{plain.beyond / 2**20:.1f} MiB of it beyond arguments and outputs"
-          + "".join(f", {space} {b / 2**20:.1f} MiB" for space, b in plain_working.items()
-                    if len(plain_working) > 1))
-    spaces = [space for space in plain_working if len(plain_working) > 1]
+          + "".join(f", {space} {plain_working[space] / 2**20:.1f} MiB" for space in spaces))
     print(f"  {'policy':24s} {'stored/residual':>16s} {'peak vs plain':>14s} "
           f"{'beyond vs plain':>16s} {'peak MiB':>9s}"
           + "".join(f" {space + ' MiB':>13s}" for space in spaces))

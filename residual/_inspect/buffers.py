@@ -81,6 +81,17 @@ class Program:
     order: tuple[str, ...]
     op_names: dict[str, str]
 
+    def slots(self, space: int | None = DEVICE,
+              roles: Iterable[str] | None = None) -> dict[tuple[int, int], list[Buffer]]:
+        """The buffers of `space` (any, when `None`) whose role is one of `roles` (any,
+        when `None`), by the place XLA put them: `(allocation, offset)`. Values at one
+        place share its memory (a loop's carry, an in-place update)."""
+        slots: dict[tuple[int, int], list[Buffer]] = {}
+        for b in self.buffers:
+            if (space is None or b.space == space) and (roles is None or b.role in roles):
+                slots.setdefault((b.allocation, b.offset), []).append(b)
+        return slots
+
     def live_bytes(self, space: int = DEVICE, roles: Iterable[str] | None = None) -> np.ndarray:
         """Bytes of `space` live at each position of the program's order (of buffers
         whose role is one of `roles`, when given).
@@ -89,12 +100,8 @@ class Program:
         in-place update) share memory: counted once, at the largest of their sizes.
         """
         length = len(self.order) + 1
-        slots: dict[tuple[int, int], list[Buffer]] = {}
-        for b in self.buffers:
-            if b.space == space and (roles is None or b.role in roles):
-                slots.setdefault((b.allocation, b.offset), []).append(b)
         live = np.zeros(length, dtype=np.int64)
-        for group in slots.values():
+        for group in self.slots(space, roles).values():
             sizes = np.zeros(length, dtype=np.int64)
             for b in group:
                 sizes[b.start:b.end + 1] = np.maximum(sizes[b.start:b.end + 1], b.bytes)
@@ -107,12 +114,8 @@ class Program:
         Values that follow one another in a slot without a gap (a loop's carry, an
         in-place update) are one buffer in memory: the one returned spans them all.
         """
-        slots: dict[tuple[int, int], list[Buffer]] = {}
-        for b in self.buffers:
-            if b.space == space:
-                slots.setdefault((b.allocation, b.offset), []).append(b)
         found = []
-        for group in slots.values():
+        for group in self.slots(space).values():
             live = [b for b in group if b.live_at(position)]
             if not live:
                 continue

@@ -315,21 +315,14 @@ def read(compiled: jax.stages.Compiled, texts: dict[str, str],
 def from_program(program: buffers.Program, memory: Memory, target: str) -> Peak:
     """The `Peak` of a parsed program whose compiler's figures are `memory`."""
     notes = []
-    working = {"device": memory.beyond}
     if memory.platform == "tpu":
-        working = {"device": int(program.live_bytes(buffers.DEVICE, _WORKING).max()),
-                   "on-chip": int(program.live_bytes(buffers.ON_CHIP, _WORKING).max())}
-        space, timeline, position, note = _tpu_peak(program)
+        timeline, position, live, working, note = _tpu_peak(program)
         notes.append(note)
-        # The compiler counts the arguments and outputs whole, and the working values
-        # of one space.
-        live = _arguments_and_outputs(program)
-        live += [b for b in program.live_at(position, space) if b.role not in
-                 ("argument", "output")]
     else:
         timeline = program.live_bytes(buffers.DEVICE)
         position = int(np.argmax(timeline))
         live = program.live_at(position, buffers.DEVICE)
+        working = {"device": memory.beyond}
     backward = _backward_start(program)
     rows = _grouped(live, backward)
     rest = memory.peak - sum(r.bytes for r in rows)
@@ -355,10 +348,11 @@ def from_program(program: buffers.Program, memory: Memory, target: str) -> Peak:
                 working)
 
 
-def _tpu_peak(program: buffers.Program) -> tuple[int, np.ndarray, int, str]:
-    """The memory space whose working values make a TPU program's peak, the timeline
-    (the arguments and outputs, and that space's working values), the peak's position,
-    and a note saying so.
+def _tpu_peak(program: buffers.Program
+              ) -> tuple[np.ndarray, int, list[buffers.Buffer], dict[str, int], str]:
+    """A TPU program's peak: the timeline (the arguments and outputs, and the working
+    values of the space whose peak is larger), the peak's position, the buffers live
+    there, each space's own peak of working values, and a note saying so.
 
     The TPU compiler's peak is its arguments and outputs plus the larger of two peaks:
     the working values in device memory (HBM), and those in on-chip memory. Measured
@@ -367,29 +361,24 @@ def _tpu_peak(program: buffers.Program) -> tuple[int, np.ndarray, int, str]:
     compiler's figure within 1% on 39, 3% to 10% over on 8 and 5% to 30% under on 9
     (docs/peak.md); the sum of both spaces at one moment, on none.
     """
-    whole = sum(b.bytes for b in _arguments_and_outputs(program))
-    working = {s: program.live_bytes(s, _WORKING) for s in (buffers.DEVICE, buffers.ON_CHIP)}
-    space = max(working, key=lambda s: int(working[s].max()))
-    position = int(np.argmax(working[space]))
-    device, chip = (int(working[s].max()) for s in (buffers.DEVICE, buffers.ON_CHIP))
+    # The compiler counts the arguments and outputs whole, one buffer per place in
+    # memory (the largest: a loop's values may follow one another in an output's).
+    whole = [max(group, key=lambda b: b.bytes) for group in
+             program.slots(None, ("argument", "output")).values()]
+    timelines = {s: program.live_bytes(s, _WORKING) for s in (buffers.DEVICE, buffers.ON_CHIP)}
+    space = max(timelines, key=lambda s: int(timelines[s].max()))
+    position = int(np.argmax(timelines[space]))
+    live = whole + [b for b in program.live_at(position, space)
+                    if b.role not in ("argument", "output")]
+    working = {"device": int(timelines[buffers.DEVICE].max()),
+               "on-chip": int(timelines[buffers.ON_CHIP].max())}
     larger = "on-chip memory's" if space == buffers.ON_CHIP else "device memory's"
     note = (f"On TPU the compiler's peak is the arguments and outputs plus the larger of "
-            f"two peaks: working values in device memory ({size(device)}) and in on-chip "
-            f"memory ({size(chip)}). The rows are the arguments, the outputs, and the "
-            f"{larger} values at its peak.")
-    return space, whole + working[space], position, note
-
-
-def _arguments_and_outputs(program: buffers.Program) -> list[buffers.Buffer]:
-    """The program's arguments and outputs, one buffer per place in memory (the largest:
-    a loop's values may follow one another in an output's buffer)."""
-    slots: dict[tuple[int, int], buffers.Buffer] = {}
-    for b in program.buffers:
-        if b.role in ("argument", "output"):
-            key = (b.allocation, b.offset)
-            if key not in slots or b.bytes > slots[key].bytes:
-                slots[key] = b
-    return list(slots.values())
+            f"two peaks: working values in device memory ({size(working['device'])}) and "
+            f"in on-chip memory ({size(working['on-chip'])}). The rows are the arguments, "
+            f"the outputs, and the {larger} values at its peak.")
+    timeline = sum(b.bytes for b in whole) + timelines[space]
+    return timeline, position, live, working, note
 
 
 def _grouped(live: list[buffers.Buffer], backward: int | None) -> list[PeakRow]:
