@@ -10,6 +10,7 @@ import numpy as np
 
 from .._info import ResidualInfo
 from .._policy import Policy
+from . import _fusion
 from ._defaults import worth_packing
 
 
@@ -24,8 +25,18 @@ class Cast(Policy):
     as narrow as `dtype`, non-floating ones, and those kept alive anyway (see
     `ResidualInfo.kept_alive`) are stored unchanged.
 
+    In a program for a TPU (`elementwise="auto"`, the default), the residuals of
+    elementwise chains (`tanh`, GELU's terms, a loss's `2 * x`) are recomputed in the
+    backward from the values they are computed from, as the TPU compiler's fusion
+    does, wherever that stores fewer bytes: cast one by one, each would be a stored
+    array the compiler itself does not keep (an unrolled GELU MLP in f32 measured
+    2.2x plain's peak on v5e, 1.0x recomputed). `elementwise="pack"` casts every
+    residual, `"recompute"` recomputes them on every backend.
+
     Args:
         dtype: a floating-point dtype, e.g. `jnp.bfloat16`.
+        elementwise: `"auto"` (recompute on a TPU, else cast), `"pack"` or
+            `"recompute"`.
 
     Raises:
         TypeError: `dtype` is not a floating-point dtype.
@@ -39,6 +50,7 @@ class Cast(Policy):
     """
 
     dtype: Any
+    elementwise: str = "auto"
 
     def __post_init__(self):
         try:
@@ -52,10 +64,21 @@ class Cast(Policy):
                 f"{self.dtype!r}. To store integers or codes use `Quantize(bits=...)`."
             )
         object.__setattr__(self, "dtype", dtype)
+        _fusion.check_elementwise(self.elementwise, auto="recomputes them on a TPU and "
+                                  "casts them elsewhere")
 
     def resolve(self, info: ResidualInfo) -> Policy | None:
         narrower = np.dtype(self.dtype).itemsize < np.dtype(info.dtype).itemsize
-        return self if worth_packing(info) and narrower else None
+        if not (worth_packing(info) and narrower):
+            return None
+        if info.primitive in _fusion.ELEMENTWISE and self._recomputes_elementwise():
+            return _fusion.recomputed_where_smaller(self)
+        return self
+
+    def _recomputes_elementwise(self) -> bool:
+        if self.elementwise != "auto":
+            return self.elementwise == "recompute"
+        return _fusion.for_a_tpu()
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> jnp.ndarray:
         return x.astype(self.dtype)

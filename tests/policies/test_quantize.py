@@ -16,8 +16,8 @@ import residual
 from residual import ResidualInfo
 from residual import _jax_private as jp
 from residual import policies as rp
-from residual.policies.quantize import policy as quantize_policy
-from residual.policies.quantize.policy import ELEMENTWISE
+from residual.policies import _fusion
+from residual.policies._fusion import ELEMENTWISE
 from tests.helpers import (
     SPLIT_K_SCRATCH,
     beyond_bytes,
@@ -555,10 +555,13 @@ def test_recomputing_elementwise_residuals_stores_no_more_than_packing_them(loss
     assert relative_error_of_all(got, jax.grad(loss)(ws, x)) <= 0.01
 
 
-def test_elementwise_must_be_auto_pack_or_recompute():
+@pytest.mark.parametrize("policy", [rp.Quantize, functools.partial(rp.Cast, jnp.bfloat16)])
+def test_elementwise_must_be_auto_pack_or_recompute(policy):
     with pytest.raises(ValueError, match=r"`elementwise` must be one of \('auto', 'pack', "
                        r"'recompute'\), but got 'fused'"):
-        rp.Quantize(elementwise="fused")
+        policy(elementwise="fused")
+    with pytest.raises(TypeError, match=r"`elementwise` must be a string.*got bool: True"):
+        policy(elementwise=True)
 
 
 @pytest.mark.slow
@@ -586,7 +589,7 @@ def relative_error_of_all(got, expected) -> float:
 
 
 def _as_for_a_tpu(monkeypatch):
-    monkeypatch.setattr(quantize_policy, "_for_a_tpu", lambda: True)
+    monkeypatch.setattr(_fusion, "for_a_tpu", lambda: True)
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ FP8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 FORMATS = ("int", *FP8)
 BITS = (8, 4, 2)
 GRIDS = ("auto", "uniform")
-ELEMENTWISE_CHOICES = ("auto", "pack", "recompute")
 
 
 def check_format(code_format: Any, bits: int) -> None:
@@ -33,13 +32,6 @@ def check_grid(grid: Any) -> None:
     """Raises unless `grid` is one of `GRIDS`."""
     _check_choice("grid", grid, GRIDS, ": 'auto' puts the groups it suits on a square "
                   "grid, 'uniform' keeps evenly spaced values")
-
-
-def check_elementwise(elementwise: Any) -> None:
-    """Raises unless `elementwise` is one of `ELEMENTWISE_CHOICES`."""
-    _check_choice("elementwise", elementwise, ELEMENTWISE_CHOICES, ": 'pack' packs every "
-                  "residual, 'recompute' recomputes elementwise ones from the packed values, "
-                  "'auto' recomputes them for 8-bit codes on a TPU and packs them elsewhere")
 
 
 def _check_choice(field: str, value: Any, choices: tuple[str, ...], why: str = "") -> None:

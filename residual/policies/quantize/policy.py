@@ -12,11 +12,10 @@ from jax import lax
 
 from ..._engine.ordering import in_device_memory, several_devices
 from ..._info import ResidualInfo
-from ..._placement import platform_family, program_device
 from ..._policy import Policy, check_bool, check_int
+from .. import _fusion
 from .._defaults import worth_packing
-from ..remat import RematWhereSmaller
-from .checks import FP8, check_elementwise, check_format, check_grid, checked_scale_dtype
+from .checks import FP8, check_format, check_grid, checked_scale_dtype
 from .grid import fp8_codes, int_codes, int_values
 from .layout import fits_rows, layout_of
 from .noise import salt_of
@@ -169,7 +168,8 @@ class Quantize(Policy):
                                                           self.stochastic))
         check_format(self.format, self.bits)
         check_grid(self.grid)
-        check_elementwise(self.elementwise)
+        _fusion.check_elementwise(self.elementwise, auto="recomputes them for 8-bit codes "
+                                  "on a TPU and packs them elsewhere")
         if self.format != "int" and self.stochastic:
             raise ValueError(
                 "`stochastic=True` is implemented for `format='int'`; fp8 rounds to nearest."
@@ -181,8 +181,8 @@ class Quantize(Policy):
             return None
         if _is_row_statistic(info.shape):
             return None
-        if info.primitive in ELEMENTWISE and self._recomputes_elementwise():
-            return RematWhereSmaller(instead=self, recomputes_through=RECOMPUTABLE)
+        if info.primitive in _fusion.ELEMENTWISE and self._recomputes_elementwise():
+            return _fusion.recomputed_where_smaller(self)
         return self
 
     def _recomputes_elementwise(self) -> bool:
@@ -197,7 +197,7 @@ class Quantize(Policy):
         """
         if self.elementwise != "auto":
             return self.elementwise == "recompute"
-        return (self.format != "int" or self.bits == 8) and _for_a_tpu()
+        return (self.format != "int" or self.bits == 8) and _fusion.for_a_tpu()
 
     def _by_rows(self, info: ResidualInfo) -> bool:
         """Whether int8 codes group down the rows (`layout_of`): in a program for a TPU,
@@ -210,7 +210,8 @@ class Quantize(Policy):
         and fp8 codes gain on some models and lose on others (fp8, v6e f32: 1.01x
         against 0.97x).
         """
-        return self.format == "int" and self.bits == 8 and not info.in_scan and _for_a_tpu()
+        return (self.format == "int" and self.bits == 8 and not info.in_scan
+                and _fusion.for_a_tpu())
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> dict[str, jnp.ndarray] | jnp.ndarray:
         if not in_device_memory(x):
@@ -219,7 +220,7 @@ class Quantize(Policy):
             # of it to save. Stored as it is.
             return x
         sharded = several_devices([x])
-        layout = layout_of(x.shape, self.group_size, windows=_for_a_tpu(),
+        layout = layout_of(x.shape, self.group_size, windows=_fusion.for_a_tpu(),
                            rows=self._by_rows(info) and not sharded)
         groups = layout.group(x.astype(jnp.float32))
         salt = salt_of(self.seed, info.index) if self.stochastic else None
@@ -293,7 +294,7 @@ class Quantize(Policy):
     def unpack(self, packed: dict[str, jnp.ndarray], info: ResidualInfo) -> jnp.ndarray:
         if not isinstance(packed, dict):
             return packed  # stored as it is by `pack`: it was in host memory
-        layout = layout_of(info.shape, self.group_size, windows=_for_a_tpu())
+        layout = layout_of(info.shape, self.group_size, windows=_fusion.for_a_tpu())
         by_rows = layout_of(info.shape, self.group_size, rows=True)
         if (fits_rows(info.shape, self.group_size)
                 and packed["scale"].shape == by_rows.stored_shape):
@@ -309,28 +310,6 @@ class Quantize(Policy):
         values = int_values(codes, layout.unstored(packed["zero"]), scale, layout, self.bits,
                             self._square_grid)
         return layout.ungroup(values).astype(info.dtype)
-
-
-# What a fusion computes again from its operands rather than store: recomputing these
-# from the packed matmul and reduction outputs costs elementwise work only.
-ELEMENTWISE = frozenset({
-    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "square", "sqrt",
-    "rsqrt", "cbrt", "integer_pow", "pow", "exp", "exp2", "log", "log1p", "expm1", "tanh",
-    "logistic", "erf", "erfc", "sin", "cos", "select_n", "convert_element_type",
-    "one_minus_square", "clamp", "floor", "ceil", "round", "is_finite",
-})
-# What recomputing them may run again: elementwise work, views and broadcasts, and
-# row reductions (a softmax's maximum); never a matmul or a loop.
-RECOMPUTABLE = ELEMENTWISE | {
-    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice",
-    "reduce_max", "reduce_min", "reduce_sum", "stop_gradient", "copy", "iota",
-    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
-}
-
-
-def _for_a_tpu() -> bool:
-    """Whether the program being traced is for a TPU (`Layout.reduce` says why)."""
-    return platform_family(program_device().platform) == "tpu"
 
 
 def _is_row_statistic(shape: tuple[int, ...]) -> bool:
