@@ -48,11 +48,12 @@ def _on_smallest_cut(plan: RecomputePlan, part: Slice, decisions: Sequence[Decis
     outputs: dict = {}
     for i, var in part.outputs:
         outputs.setdefault(var, []).append(i)
-    # A cut may cross a saved value or a residual, each at its bytes (doubled, plus
-    # one for a saved value, so that a tie stores the residual).
-    weight = {var: 2 * nbytes + 1 for var, nbytes in saved.items()}
-    weight.update({var: 2 * residuals[i[0]].info.nbytes for var, i in outputs.items()})
-    unit = max(1, -(-sum(weight.values()) // _FINITE))
+    # A cut may cross a saved value or a residual, each at its bytes in units, doubled,
+    # plus one for a saved value, so that a tie stores the residual (added after the
+    # units are counted: before, rounding to units would lose it for large arrays).
+    nbytes = {**saved, **{var: residuals[i[0]].info.nbytes for var, i in outputs.items()}}
+    unit = max(1, -(-2 * sum(nbytes.values()) // _FINITE))
+    weight = {var: 2 * -(-b // unit) + (var in saved) for var, b in nbytes.items()}
     # Each value is two vertices, in (2n) and out (2n + 1), joined by its weight.
     number: dict = {}
     for var in [*saved, *(v for eqn in part.eqns for v in eqn.outvars)]:
@@ -60,7 +61,7 @@ def _on_smallest_cut(plan: RecomputePlan, part: Slice, decisions: Sequence[Decis
     source, sink = 2 * len(number), 2 * len(number) + 1
     edges = {(source, 2 * number[var]): _UNCUT for var in saved}
     for var, n in number.items():
-        edges[2 * n, 2 * n + 1] = -(-weight[var] // unit) if var in weight else _UNCUT
+        edges[2 * n, 2 * n + 1] = weight.get(var, _UNCUT)
     for var in outputs:
         edges[2 * number[var] + 1, sink] = _UNCUT
     through = _through(part, decisions)

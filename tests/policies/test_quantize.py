@@ -555,6 +555,18 @@ def test_recomputing_elementwise_residuals_stores_no_more_than_packing_them(loss
     assert relative_error_of_all(got, jax.grad(loss)(ws, x)) <= 0.01
 
 
+@pytest.mark.parametrize("policy", [rp.Quantize(elementwise="recompute"),
+                                    rp.Cast(jnp.bfloat16, elementwise="recompute")])
+def test_recomputing_stores_the_residual_itself_where_both_cost_the_same_at_any_size(policy):
+    # The tanh's cotangent factor (or the tanh output) and the matmul output it could be
+    # recomputed from are the same size: the residual is stored, not the matmul output,
+    # also when arrays are so large that bytes are counted in coarser units.
+    ws = jax.ShapeDtypeStruct((2, 1024, 1024), jnp.float32)
+    x = jax.ShapeDtypeStruct((16384, 1024), jnp.float32)
+    rows = residual.inspect(_scanned_tanh_layers, ws, x, policy=policy, compiled=False).rows
+    assert not [r for r in rows if r.primitive == "dot_general"], rows
+
+
 @pytest.mark.parametrize("policy", [rp.Quantize, functools.partial(rp.Cast, jnp.bfloat16)])
 def test_elementwise_must_be_auto_pack_or_recompute(policy):
     with pytest.raises(ValueError, match=r"`elementwise` must be one of \('auto', 'pack', "
