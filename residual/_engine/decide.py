@@ -91,7 +91,35 @@ def decide(
     if derived:
         recomputed -= derived
         plan = RecomputePlan(analysis, recomputed, keep)
-    return decisions, plan if recomputed else None
+    plan = plan if recomputed else None
+    if acting and _stores_as_jax_does(decisions, plan):
+        decisions = [d if isinstance(d, Recompute) else
+                     _decide_one(r, p, derived=False, acting=False, higher_order=False)
+                     for r, p, d in zip(residuals, policies, decisions)]
+    return decisions, plan
+
+
+def _stores_as_jax_does(decisions: Sequence[Decision], plan: RecomputePlan | None) -> bool:
+    """Whether the decisions store exactly what JAX would: nothing packed, and whatever is
+    recomputed is recomputed from values stored as they are (a `tanh`'s cotangent
+    factor from its output, a loss's `2 * x` from `x`), as a compiler's fusion does.
+
+    Then the program needs none of the ordering that packing does (`Keep.tied`,
+    `View`): ordered, XLA could no longer fuse those computations into the backward,
+    and a bf16 model under `Cast(bf16)` (which packs nothing) would peak above plain.
+    """
+    as_jax_does = all(
+        (isinstance(d, (Keep, Recompute)) and not isinstance(d, RoundTrip))
+        or (isinstance(d, View) and d.policy is None)
+        for d in decisions
+    )
+    if not as_jax_does:
+        return False
+    return plan is None or all(
+        source[0] in ("residual", "const")
+        or (source[0] == "saved" and type(plan.saved[source[1]].decision) is Keep)
+        for part in plan.slice_of.values() for source in part.sources
+    )
 
 
 def _derivable_from_stored(residuals: Sequence[Residual], decisions: Sequence[Decision]
