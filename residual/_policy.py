@@ -174,5 +174,18 @@ def check_bool(owner: str, label: str, value: Any) -> bool:
     return bool(value)
 
 
+def check_choice(label: str, value: Any, choices: tuple[str, ...], why: str = "") -> str:
+    """`value`, for a policy field that is one of the strings `choices`; `why` follows
+    the error's list of them (`": 'auto' ..."`)."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"`{label}` must be a string, one of {choices}, but got "
+            f"{type(value).__name__}: {value!r}."
+        )
+    if value not in choices:
+        raise ValueError(f"`{label}` must be one of {choices}, but got {value!r}{why}.")
+    return value
+
+
 def _example(label: str) -> str:
     return {"bits": "8", "group_size": "64", "seed": "0", "min_bytes": "16384"}.get(label, "1")

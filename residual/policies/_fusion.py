@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._placement import platform_family, program_device
-from .._policy import Policy
+from .._policy import Policy, check_choice
 from .remat import RematWhereSmaller
 
 # What a fusion computes again from its operands rather than store: recomputing these
@@ -36,15 +36,8 @@ CHOICES = ("auto", "pack", "recompute")
 
 def check_elementwise(elementwise: Any, auto: str) -> None:
     """Raises unless `elementwise` is one of `CHOICES`; `auto` says what "auto" does."""
-    why = (": 'pack' packs every residual, 'recompute' recomputes elementwise ones from "
-           f"the packed values, 'auto' {auto}")
-    if not isinstance(elementwise, str):
-        raise TypeError(
-            f"`elementwise` must be a string, one of {CHOICES}, but got "
-            f"{type(elementwise).__name__}: {elementwise!r}."
-        )
-    if elementwise not in CHOICES:
-        raise ValueError(f"`elementwise` must be one of {CHOICES}, but got {elementwise!r}{why}.")
+    check_choice("elementwise", elementwise, CHOICES, ": 'pack' packs every residual, "
+                 f"'recompute' recomputes elementwise ones from the packed values, 'auto' {auto}")
 
 
 def recomputed_where_smaller(policy: Policy) -> Policy:

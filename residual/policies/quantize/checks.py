@@ -7,6 +7,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from ..._policy import check_choice
+
 FP8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 FORMATS = ("int", *FP8)
 BITS = (8, 4, 2)
@@ -15,7 +17,7 @@ GRIDS = ("auto", "uniform")
 
 def check_format(code_format: Any, bits: int) -> None:
     """Raises unless `code_format` is one of `FORMATS` and `bits` a width it stores."""
-    _check_choice("format", code_format, FORMATS)
+    check_choice("format", code_format, FORMATS)
     if code_format == "int" and bits not in BITS:
         raise ValueError(
             f"`bits` must be one of {BITS} for integer codes, but got {bits!r}. "
@@ -30,19 +32,8 @@ def check_format(code_format: Any, bits: int) -> None:
 
 def check_grid(grid: Any) -> None:
     """Raises unless `grid` is one of `GRIDS`."""
-    _check_choice("grid", grid, GRIDS, ": 'auto' puts the groups it suits on a square "
+    check_choice("grid", grid, GRIDS, ": 'auto' puts the groups it suits on a square "
                   "grid, 'uniform' keeps evenly spaced values")
-
-
-def _check_choice(field: str, value: Any, choices: tuple[str, ...], why: str = "") -> None:
-    """Raises unless `value`, the field `field`, is one of the strings `choices`."""
-    if not isinstance(value, str):
-        raise TypeError(
-            f"`{field}` must be a string, one of {choices}, but got "
-            f"{type(value).__name__}: {value!r}."
-        )
-    if value not in choices:
-        raise ValueError(f"`{field}` must be one of {choices}, but got {value!r}{why}.")
 
 
 def checked_scale_dtype(scale_dtype: Any) -> np.dtype:
