@@ -29,9 +29,10 @@ class Cast(Policy):
     elementwise chains (`tanh`, GELU's terms, a loss's `2 * x`) are recomputed in the
     backward from the values they are computed from, as the TPU compiler's fusion
     does, wherever that stores fewer bytes: cast one by one, each would be a stored
-    array the compiler itself does not keep (an unrolled GELU MLP in f32 measured
-    2.2x plain's peak on v5e, 1.0x recomputed). `elementwise="pack"` casts every
-    residual, `"recompute"` recomputes them on every backend.
+    array the compiler itself does not keep (an unrolled 8-layer GELU MLP, f32, batch
+    4,096, on v5e: 1.83x plain's peak cast one by one, 0.98x recomputed).
+    `elementwise="pack"` casts every residual, `"recompute"` recomputes them on every
+    backend.
 
     Args:
         dtype: a floating-point dtype, e.g. `jnp.bfloat16`.
@@ -39,7 +40,8 @@ class Cast(Policy):
             `"recompute"`.
 
     Raises:
-        TypeError: `dtype` is not a floating-point dtype.
+        TypeError: `dtype` is not a floating-point dtype, or `elementwise` not a string.
+        ValueError: `elementwise` is not one of `"auto"`, `"pack"`, `"recompute"`.
 
     Examples:
         >>> import jax, jax.numpy as jnp, residual
