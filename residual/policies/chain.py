@@ -133,6 +133,11 @@ def _apply(policy: Policy, level: int, array, info: ResidualInfo):
         return array
     array_info = dataclasses.replace(info, shape=tuple(array.shape), dtype=array.dtype)
     chosen = policy.resolve(array_info)
+    if chosen is not None and chosen.recompute and chosen.instead is not None:
+        # A packed array cannot be recomputed: where the stage recomputes only if that
+        # stores less (`Cast` and `Quantize` on a TPU, for an elementwise residual's
+        # arrays), it packs the array as it would otherwise.
+        chosen = chosen.instead
     if chosen is not None and chosen.recompute:
         raise TypeError(
             f"stage {level + 2} of a `Chain` chose {chosen!r} for a packed array of "

@@ -143,6 +143,28 @@ def test_where_source_selects_by_file_and_function():
     assert set(chosen) <= {"tanh", "sub", "one_minus_square"}, seen
 
 
+@pytest.mark.parametrize("chain", [
+    rp.Chain(rp.Quantize(bits=8, min_bytes=0), rp.Cast(jnp.bfloat16, elementwise="recompute")),
+    rp.Chain(rp.Cast(jnp.bfloat16), rp.Quantize(bits=8, min_bytes=0, elementwise="recompute")),
+], ids=["int8-then-cast", "cast-then-int8"])
+def test_a_later_stage_that_recomputes_elementwise_residuals_packs_their_arrays(chain):
+    # The first stage's arrays (an elementwise residual's codes and scales, or its cast)
+    # reach the later stage with the residual's primitive, for which that stage would
+    # recompute: a packed array cannot be, so the stage packs it.
+    ws = [jax.random.normal(jax.random.key(i), (64, 64)) / 8 for i in range(3)]
+    x = jax.random.normal(jax.random.key(9), (128, 64))
+
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x**2)
+
+    report = residual.inspect(loss, ws, x, policy=chain, compiled=False)
+    assert {r.primitive for r in report.rows if r.how == "packed"} >= {"tanh"}, report
+    got = jax.jit(jax.grad(residual.with_hooks(loss, policy=chain)))(ws, x)
+    assert relative_error(got, jax.grad(loss)(ws, x)) <= 0.02
+
+
 @pytest.mark.parametrize(
     "policy",
     [rp.Cast(jnp.bfloat16), rp.Quantize(bits=8, min_bytes=0), rp.Quantize(bits=2, min_bytes=0),
