@@ -49,10 +49,12 @@ def _on_smallest_cut(plan: RecomputePlan, part: Slice, decisions: Sequence[Decis
     for i, var in part.outputs:
         outputs.setdefault(var, []).append(i)
     # A cut may cross a saved value or a residual, each at its bytes in units, doubled,
-    # plus one for a saved value, so that a tie stores the residual (added after the
-    # units are counted: before, rounding to units would lose it for large arrays).
+    # plus one for a saved value, so that a tie stores the residual. The one is added
+    # after rounding to units, which would round it away, and the unit is a power of
+    # two, which divides arrays' usual sizes: rounded up, a tie between a cut of several
+    # values and one of a single value could otherwise go either way.
     nbytes = {**saved, **{var: residuals[i[0]].info.nbytes for var, i in outputs.items()}}
-    unit = max(1, -(-2 * sum(nbytes.values()) // _FINITE))
+    unit = 1 << (-(-2 * sum(nbytes.values()) // _FINITE) - 1).bit_length()
     weight = {var: 2 * -(-b // unit) + (var in saved) for var, b in nbytes.items()}
     # Each value is two vertices, in (2n) and out (2n + 1), joined by its weight.
     number: dict = {}
