@@ -68,8 +68,9 @@ def measure(name, loss, args, policies, targets, target=None):
         hooked = jax.grad(residual.with_hooks(loss, policy=policy))
         memory = residual.compiled_memory(hooked, *args, target=target)
         ratio = memory.peak / plain.peak
-        # Run here with the decisions of the target's program (8-bit `Quantize`
-        # recomputes elementwise chains on a TPU), so error and memory are one program's.
+        # Run here with the decisions of the target's program (`Cast` and 8-bit
+        # `Quantize` recompute elementwise chains on a TPU), so error and memory are one
+        # program's.
         with _target.resolve(target).tracing():
             error = relative_error(jax.jit(hooked)(*args), expected)
         results[label] = ratio, error

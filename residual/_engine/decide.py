@@ -100,13 +100,16 @@ def decide(
 
 
 def _stores_as_jax_does(decisions: Sequence[Decision], plan: RecomputePlan | None) -> bool:
-    """Whether the decisions store exactly what JAX would: nothing packed, and whatever is
-    recomputed is recomputed from values stored as they are (a `tanh`'s cotangent
-    factor from its output, a loss's `2 * x` from `x`), as a compiler's fusion does.
+    """Whether the decisions store as JAX does: nothing packed, every stored value stored
+    as it is, and whatever is recomputed recomputed from such values (a `tanh`'s
+    cotangent factor from its output, a loss's `2 * x` from a kept `x`), as a
+    compiler's fusion does.
 
     Then the program needs none of the ordering that packing does (`Keep.tied`,
     `View`): ordered, XLA could no longer fuse those computations into the backward,
-    and a bf16 model under `Cast(bf16)` (which packs nothing) would peak above plain.
+    and a bf16 model under `Cast(bf16)` (which packs nothing) would peak above plain
+    on a TPU. (On CPU a small bf16 MLP measured below plain ordered, 0.70x; JAX's
+    order gives plain's 1.00x.)
     """
     as_jax_does = all(
         (isinstance(d, (Keep, Recompute)) and not isinstance(d, RoundTrip))
