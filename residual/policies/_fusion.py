@@ -40,10 +40,18 @@ def check_elementwise(elementwise: Any, auto: str) -> None:
                  f"'recompute' recomputes elementwise ones from the packed values, 'auto' {auto}")
 
 
-def recomputed_where_smaller(policy: Policy) -> Policy:
-    """What an elementwise residual gets when `policy` recomputes them: recomputed from
-    the values it is computed from where that stores fewer bytes, else packed by `policy`."""
-    return RematWhereSmaller(instead=policy, recomputes_through=RECOMPUTABLE)
+def recomputes(elementwise: str, auto: bool) -> bool:
+    """Whether a policy's `elementwise` choice recomputes; `auto`: what "auto" does here."""
+    return auto if elementwise == "auto" else elementwise == "recompute"
+
+
+def resolved(policy: Policy, info: Any, recompute: bool) -> Policy:
+    """What `policy` stores `info`'s residual with: where it recomputes elementwise
+    residuals and this is one, recomputed from the values it is computed from where that
+    stores fewer bytes, else packed by `policy`."""
+    if recompute and info.primitive in ELEMENTWISE:
+        return RematWhereSmaller(instead=policy, recomputes_through=RECOMPUTABLE)
+    return policy
 
 
 def for_a_tpu() -> bool:

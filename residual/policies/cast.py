@@ -73,14 +73,8 @@ class Cast(Policy):
         narrower = np.dtype(self.dtype).itemsize < np.dtype(info.dtype).itemsize
         if not (worth_packing(info) and narrower):
             return None
-        if info.primitive in _fusion.ELEMENTWISE and self._recomputes_elementwise():
-            return _fusion.recomputed_where_smaller(self)
-        return self
-
-    def _recomputes_elementwise(self) -> bool:
-        if self.elementwise != "auto":
-            return self.elementwise == "recompute"
-        return _fusion.for_a_tpu()
+        return _fusion.resolved(self, info, _fusion.recomputes(self.elementwise,
+                                                               auto=_fusion.for_a_tpu()))
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> jnp.ndarray:
         return x.astype(self.dtype)

@@ -181,9 +181,7 @@ class Quantize(Policy):
             return None
         if _is_row_statistic(info.shape):
             return None
-        if info.primitive in _fusion.ELEMENTWISE and self._recomputes_elementwise():
-            return _fusion.recomputed_where_smaller(self)
-        return self
+        return _fusion.resolved(self, info, self._recomputes_elementwise())
 
     def _recomputes_elementwise(self) -> bool:
         """Whether elementwise residuals are recomputed rather than packed.
@@ -195,9 +193,8 @@ class Quantize(Policy):
         and H100, and at 4 bits the zoo's errors within half a point of packing's;
         the other backends' and bit widths' defaults wait for the whole zoo's figures.
         """
-        if self.elementwise != "auto":
-            return self.elementwise == "recompute"
-        return (self.format != "int" or self.bits == 8) and _fusion.for_a_tpu()
+        eight_bits = self.format != "int" or self.bits == 8
+        return _fusion.recomputes(self.elementwise, auto=eight_bits and _fusion.for_a_tpu())
 
     def _by_rows(self, info: ResidualInfo) -> bool:
         """Whether int8 codes group down the rows (`layout_of`): in a program for a TPU,
