@@ -27,6 +27,12 @@ def program_device() -> jax.Device:
     return devices[0] if devices else jax.local_devices()[0]
 
 
+def program_devices() -> tuple[jax.Device, ...]:
+    """Every device the program being traced may run on: the target's, else every
+    device of every process."""
+    return _TARGET_DEVICES.value or tuple(jax.devices())
+
+
 @contextlib.contextmanager
 def tracing_for(devices: Sequence[jax.Device]) -> Iterator[None]:
     with _TARGET_DEVICES(tuple(devices)):

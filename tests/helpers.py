@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -15,6 +16,22 @@ from residual._placement import platform_family
 
 # The running backend as `residual`'s reports name it: "cpu", "gpu" or "tpu".
 RUNNING_PLATFORM = platform_family(jax.default_backend())
+
+
+@dataclasses.dataclass(frozen=True)
+class Negate(residual.Policy):
+    """Lossless, but not the identity: the engine packs activations, leaves weights."""
+
+    lossless = True
+
+    def resolve(self, info):
+        return None if info.kept_alive else self
+
+    def pack(self, x, info):
+        return -x
+
+    def unpack(self, packed, info):
+        return -packed
 
 
 

@@ -92,14 +92,14 @@ def decide(
         recomputed -= derived
         plan = RecomputePlan(analysis, recomputed, keep)
     plan = plan if recomputed else None
-    if acting and _stores_as_jax_does(decisions, plan):
+    if acting and stores_as_jax_does(decisions, plan):
         decisions = [d if isinstance(d, Recompute) else
                      _decide_one(r, p, derived=False, acting=False, higher_order=False)
                      for r, p, d in zip(residuals, policies, decisions)]
     return decisions, plan
 
 
-def _stores_as_jax_does(decisions: Sequence[Decision], plan: RecomputePlan | None) -> bool:
+def stores_as_jax_does(decisions: Sequence[Decision], plan: RecomputePlan | None) -> bool:
     """Whether the decisions store as JAX does: nothing packed, every stored value stored
     as it is, and whatever is recomputed recomputed from such values (a `tanh`'s
     cotangent factor from its output, a loss's `2 * x` from a kept `x`), as a

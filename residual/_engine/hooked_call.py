@@ -16,15 +16,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from .. import _jax_private as jp
 from .._policy import FORWARD_WRAPPERS, Policy
-from .decide import decide
+from .decide import decide, stores_as_jax_does
 from .decisions import Decision, as_array
 from .recompute import RecomputePlan
 from .record import Record, record
 from .residuals import Analysis, InputKind, Residual, backward_jaxpr, trace_residuals
+from .stacking import Stacks
 from .storage import Handoff, Restores, Stores
 
 _HIGHER_ORDER = contextvars.ContextVar("residual_higher_order", default=False)
@@ -200,10 +200,14 @@ def _run_backward(restores: Restores, cts: list, *, ordered: bool) -> list:
         return env[v]
 
     constant = set(jaxpr.constvars)
+    handoff = restores.handoff
+    stacks = Stacks(jaxpr, reordered=not stores_as_jax_does(handoff.decisions, handoff.recompute))
     for eqn in jaxpr.eqns:
         tie = _tie(eqn, env, constant) if ordered else None
         invals = [read(v, tie) for v in eqn.invars]
-        env.update(zip(eqn.outvars, _applied(eqn, invals)))
+        outs = stacks.build(eqn, invals) or jp.bind_equation(eqn, invals)
+        env.update(zip(eqn.outvars, outs))
+        stacks.computed(eqn.outvars, outs)
         if _reads_only_constants(eqn, constant):
             constant.update(eqn.outvars)
     return [read(v, None) for v in jaxpr.outvars]
@@ -218,27 +222,7 @@ def _tie(eqn: Any, env: dict[Any, Any], constant: set[Any]) -> Any:
     return next((x for x in known if x.size and jnp.issubdtype(x.dtype, jnp.inexact)), None)
 
 
-def _applied(eqn: Any, invals: list) -> list:
-    """The outputs of `eqn` at `invals`; a `stack` of the backward as `_stacked` builds it."""
-    if (axis := jp.stack_axis(eqn)) is not None:
-        with jp.name_stack_context(eqn):
-            return [_stacked(invals, axis)]
-    return jp.bind_equation(eqn, invals)
-
-
 def _reads_only_constants(eqn: Any, constant: set[Any]) -> bool:
     """Whether every value `eqn` reads is a literal or computed from constants alone."""
     return all(isinstance(v, jp.Literal) or v in constant for v in eqn.invars)
 
-
-def _stacked(values: Sequence[Any], axis: int) -> Any:
-    """`stack(values, axis)` (how the backward of `unstack` assembles its cotangent).
-
-    The same values and, unbatched, the same XLA program (`stack` is lowered to
-    this), but batched otherwise: `stack`'s batching rule puts the stacked axis in
-    front of the batch axis, so under `vmap` of a gradient whose stacked weights are
-    shared (per-example gradients) the result must be transposed afterwards, which
-    XLA does in a temporary as large as the whole weight gradient, at the end of the
-    backward, when memory peaks. A concatenate keeps the batch axis in front.
-    """
-    return lax.concatenate([lax.expand_dims(v, (axis,)) for v in values], axis)

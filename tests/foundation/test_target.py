@@ -17,11 +17,20 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import residual
+from residual import _jax_private as jp
 from residual import _target
 from residual import policies as rp
 from residual._measure import backward
 
-from ..helpers import RUNNING_PLATFORM, collectives, mlp_params, scan_mlp, unrolled_mlp
+from ..helpers import (
+    RUNNING_PLATFORM,
+    Negate,
+    collectives,
+    mlp_params,
+    scan_mlp,
+    tree_equal,
+    unrolled_mlp,
+)
 from ..policies_under_test import IDS as POLICY_IDS
 from ..policies_under_test import POLICIES
 
@@ -337,6 +346,49 @@ def test_cast_recomputing_elementwise_keeps_a_tpu_gelu_mlp_at_plains_peak(dtype)
         for e in ("pack", "auto")}
     assert peaks["pack"] > 1.5, peaks
     assert peaks["auto"] == 1.0 if dtype == jnp.bfloat16 else peaks["auto"] <= 1.0, peaks
+
+
+def _iterated_gelu_mlp(ws, x):
+    """An unrolled GELU MLP iterating its stacked weights: `unstack` from jax 0.11 on."""
+    for w in ws:
+        x = jax.nn.gelu(x @ w)
+    return jnp.sum(x**2)
+
+
+@needs_tpu
+@pytest.mark.parametrize("policy", [rp.Cast(jnp.bfloat16), rp.Quantize(bits=8)], ids=repr)
+def test_stacked_weights_iterated_in_python_stay_under_plains_peak_on_a_tpu(policy):
+    # Stacked at the end of the backward (JAX's transpose of `unstack`), the weight
+    # gradients wait, and the TPU compiler holds every layer's unpacked floats until
+    # they are computed. Measured on v5e, jax 0.12.0.1: 2.04x plain's peak under
+    # `Cast`, 2.00x under int8; written into place slice by slice, 0.96x and 0.93x.
+    ws = jax.ShapeDtypeStruct((8, 1024, 1024), jnp.float32)
+    x = jax.ShapeDtypeStruct((4096, 1024), jnp.float32)
+    plain = residual.compiled_memory(jax.grad(_iterated_gelu_mlp), ws, x, target="v5e").peak
+    hooked = jax.grad(residual.with_hooks(_iterated_gelu_mlp, policy=policy))
+    assert residual.compiled_memory(hooked, ws, x, target="v5e").peak <= plain
+
+
+@needs_tpu
+def test_stacked_weights_written_slice_by_slice_get_exact_gradients():
+    # Traced for a TPU, evaluated here: the weight gradient built slice by slice is
+    # exactly the one `jax.grad` stacks, alone and per example under `vmap`.
+    ws, x = mlp_params(layers=4, width=32, batch=16)
+    hooked = jax.grad(residual.with_hooks(_iterated_gelu_mlp, policy=Negate()), (0, 1))
+    per_example = jax.vmap(hooked, in_axes=(None, 0))
+    xs = jnp.stack([x, -2 * x])
+    for fn, args, expected, written in [
+        (hooked, (ws, x), jax.grad(_iterated_gelu_mlp, (0, 1))(ws, x), "dynamic_update_slice"),
+        (per_example, (ws, xs),
+         jax.vmap(jax.grad(_iterated_gelu_mlp, (0, 1)), in_axes=(None, 0))(ws, xs), "scatter"),
+    ]:
+        with _target.resolve("v5e").tracing():
+            traced = jax.make_jaxpr(fn)(*args)
+        if jax.__version_info__ >= (0, 11):  # `for w in ws` slices on jax 0.10
+            assert written in str(traced)
+        got = jax.tree.unflatten(jax.tree.structure(expected),
+                                 jp.jaxpr_as_fun(traced)(*args))
+        assert tree_equal(got, expected)
 
 
 @needs_tpu

@@ -1,7 +1,6 @@
 """Memory claims, checked on compiled programs: the memory beyond arguments and outputs
 (`residual.Memory.beyond`, XLA:CPU's temp memory) and the dtypes XLA stores."""
 
-import dataclasses
 import re
 
 import jax
@@ -16,6 +15,7 @@ from residual import policies as rp
 from tests.helpers import (
     LEANER_GPU_BASELINE,
     SPLIT_K_SCRATCH,
+    Negate,
     beyond_bytes,
     compiled_text,
     mlp_params,
@@ -28,22 +28,6 @@ from tests.helpers import (
 )
 
 LOSSY = [rp.Cast(jnp.bfloat16), rp.Quantize(bits=8), rp.Quantize(bits=4), rp.Quantize(bits=2)]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Negate(residual.Policy):
-    """Lossless, but not the identity: the engine packs activations, leaves weights."""
-
-    lossless = True
-
-    def resolve(self, info):
-        return None if info.kept_alive else self
-
-    def pack(self, x, info):
-        return -x
-
-    def unpack(self, packed, info):
-        return -packed
 
 
 def _hooked_beyond(model, policy, *args):
@@ -143,7 +127,7 @@ def test_views_of_every_kind_give_plain_gradients():
         return jnp.sum(x**2)
 
     expected = jax.grad(model, argnums=(0, 1))(ws, x)
-    hooked = jax.grad(residual.with_hooks(model, policy=_Negate()), argnums=(0, 1))
+    hooked = jax.grad(residual.with_hooks(model, policy=Negate()), argnums=(0, 1))
     assert tree_equal(hooked(ws, x), expected)
     assert tree_equal(jax.jit(hooked)(ws, x), jax.jit(jax.grad(model, argnums=(0, 1)))(ws, x))
     batched = jax.vmap(hooked)(jnp.stack([ws, 2 * ws]), jnp.stack([x, x]))
@@ -155,7 +139,7 @@ def test_views_of_every_kind_give_plain_gradients():
     assert tree_equal(per_example, jax.vmap(jax.grad(model, argnums=(0, 1)), (None, 0))(ws, xs))
     # The stacked MLP, lossless, as well: exactly plain `jax.grad`.
     ws, x = mlp_params(layers=4, width=32, batch=16)
-    hooked = jax.jit(jax.grad(residual.with_hooks(unrolled_mlp, policy=_Negate())))
+    hooked = jax.jit(jax.grad(residual.with_hooks(unrolled_mlp, policy=Negate())))
     assert tree_equal(hooked(ws, x), jax.jit(jax.grad(unrolled_mlp))(ws, x))
 
 
