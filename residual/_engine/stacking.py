@@ -11,7 +11,8 @@ at its end.
   slice by slice, at 0.96x and 0.93x.
 - Elsewhere, the `stack` is built as a concatenate (`_stacked`). Slice by slice costs
   one slice more than the `stack` on XLA:CPU, and an all-to-all more in every step on
-  a TPU slice whose weights are sharded tensor-parallel.
+  a TPU slice whose weights are sharded tensor-parallel. Tracing, the mesh is not
+  known: wherever the process sees several chips, the `stack` is kept.
 """
 
 from __future__ import annotations
