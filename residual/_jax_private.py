@@ -326,7 +326,8 @@ def is_staged() -> bool:
 
 
 def stack_axis(eqn: JaxprEqn) -> int | None:
-    """The axis of a `stack` equation (the transpose of `unstack`), or None for any other."""
+    """The axis of a `stack` equation (`jnp.stack`, and the transpose of `unstack`), or
+    None for any other."""
     if eqn.primitive is _lax.stack_p:
         return eqn.params["axis"]
     return None

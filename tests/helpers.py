@@ -34,7 +34,6 @@ class Negate(residual.Policy):
         return -packed
 
 
-
 def xfail_on_gpu(reason: str):
     """A memory bound or a name set on XLA:CPU's programs, measured to miss on a GPU's for
     `reason` (docs/gpu.md, "The test suite on a GPU"): expected to fail there."""

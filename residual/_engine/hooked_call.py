@@ -201,11 +201,13 @@ def _run_backward(restores: Restores, cts: list, *, ordered: bool) -> list:
 
     constant = set(jaxpr.constvars)
     handoff = restores.handoff
-    stacks = Stacks(jaxpr, reordered=not stores_as_jax_does(handoff.decisions, handoff.recompute))
+    stacks = Stacks(jaxpr, stores_as_jax=stores_as_jax_does(handoff.decisions, handoff.recompute))
     for eqn in jaxpr.eqns:
         tie = _tie(eqn, env, constant) if ordered else None
         invals = [read(v, tie) for v in eqn.invars]
-        outs = stacks.build(eqn, invals) or jp.bind_equation(eqn, invals)
+        outs = stacks.build(eqn, invals)
+        if outs is None:
+            outs = jp.bind_equation(eqn, invals)
         env.update(zip(eqn.outvars, outs))
         stacks.computed(eqn.outvars, outs)
         if _reads_only_constants(eqn, constant):

@@ -1,6 +1,6 @@
-"""How the backward assembles the cotangent of `unstack` (`for w in ws` of stacked
-weights, from jax 0.11 on): JAX's backward `stack`s every slice's cotangent at once,
-at its end.
+"""How the backward builds a `stack`, among them the cotangent of `unstack` (`for w in
+ws` of stacked weights, from jax 0.11 on): JAX's backward `stack`s every slice's
+cotangent at once, at its end.
 
 - For one TPU chip, each slice's cotangent is written into place as soon as the
   backward has computed it (`Stacks`). Assembled at the end, each layer's weight
@@ -41,17 +41,17 @@ def _stacked(values: Sequence[Any], axis: int) -> Any:
 
 
 class Stacks:
-    """The `stack`s of a backward jaxpr, each written slice by slice on one TPU chip
-    where the call is `reordered` (it stores other than JAX does: a call that stores
-    what JAX stores compiles to JAX's own program).
+    """The `stack`s of a backward jaxpr, each written slice by slice for one TPU chip
+    unless the call `stores_as_jax` (it then compiles to JAX's own program).
 
-    `computed` is told every value the backward computes; `build` gives a `stack`
-    equation's output, writing the slices not written yet.
+    `computed` is told the values the backward's equations compute; `build` gives a
+    `stack` equation's output, writing the slices not written yet: those read from
+    the backward's inputs, restored residuals or literals, which no equation computes.
     """
 
-    def __init__(self, jaxpr: Any, *, reordered: bool) -> None:
+    def __init__(self, jaxpr: Any, *, stores_as_jax: bool) -> None:
         devices = program_devices()
-        self._slice_by_slice = (reordered and len(devices) == 1
+        self._slice_by_slice = (not stores_as_jax and len(devices) == 1
                                 and platform_family(devices[0].platform) == "tpu")
         self._slots: dict[Any, list[tuple[Any, int]]] = {}
         self._built: dict[Any, tuple[set[int], Any]] = {}
@@ -73,12 +73,12 @@ class Stacks:
         axis = jp.stack_axis(eqn)
         if axis is None:
             return None
-        with jp.name_stack_context(eqn):
-            if not (self._slice_by_slice and _is_float(eqn.outvars[0])):
+        if not (self._slice_by_slice and _is_float(eqn.outvars[0])):
+            with jp.name_stack_context(eqn):
                 return [_stacked(invals, axis)]
-            for k, value in enumerate(invals):
-                if k not in self._built.get(eqn, ((),))[0]:
-                    self._write(eqn, k, value)
+        for k, value in enumerate(invals):
+            if k not in self._built.get(eqn, ((),))[0]:
+                self._write(eqn, k, value)
         return [self._built[eqn][1]]
 
     def _write(self, eqn: Any, k: int, value: Any) -> None:
@@ -86,11 +86,11 @@ class Stacks:
         with jp.name_stack_context(eqn):
             if buffer is None:
                 aval = eqn.outvars[0].aval
-                buffer = lax.full(aval.shape, 0, aval.dtype)
+                # Under explicit sharding the buffer must be sharded as its slices are.
+                buffer = lax.full(aval.shape, 0, aval.dtype, sharding=aval.sharding)
             buffer = lax.dynamic_update_index_in_dim(buffer, value, k, jp.stack_axis(eqn))
         self._built[eqn] = (written | {k}, buffer)
 
 
 def _is_float(var: Any) -> bool:
     return jnp.issubdtype(var.aval.dtype, jnp.inexact)
-

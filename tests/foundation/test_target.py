@@ -369,26 +369,50 @@ def test_stacked_weights_iterated_in_python_stay_under_plains_peak_on_a_tpu(poli
     assert residual.compiled_memory(hooked, ws, x, target="v5e").peak <= plain
 
 
+def _skipping_mlp(ws, x):
+    """Three stacked weights, the middle one unused: its slot of the weight gradient
+    is zeros, written when the backward's `stack` is reached."""
+    first, _, last = ws
+    return jnp.sum(jax.nn.gelu(jax.nn.gelu(x @ first) @ last) ** 2)
+
+
+def _traced_for_a_tpu_and_run_here(fn, *args):
+    with _target.resolve("v5e").tracing():
+        traced = jax.make_jaxpr(fn)(*args)
+    return str(traced), jp.jaxpr_as_fun(traced)(*args)
+
+
 @needs_tpu
-def test_stacked_weights_written_slice_by_slice_get_exact_gradients():
+@pytest.mark.parametrize("model", [_iterated_gelu_mlp, _skipping_mlp], ids=lambda m: m.__name__)
+def test_stacked_weights_written_slice_by_slice_get_exact_gradients(model):
     # Traced for a TPU, evaluated here: the weight gradient built slice by slice is
     # exactly the one `jax.grad` stacks, alone and per example under `vmap`.
-    ws, x = mlp_params(layers=4, width=32, batch=16)
-    hooked = jax.grad(residual.with_hooks(_iterated_gelu_mlp, policy=Negate()), (0, 1))
+    ws, x = mlp_params(layers=3, width=32, batch=16)
+    hooked = jax.grad(residual.with_hooks(model, policy=Negate()), (0, 1))
     per_example = jax.vmap(hooked, in_axes=(None, 0))
     xs = jnp.stack([x, -2 * x])
     for fn, args, expected, written in [
-        (hooked, (ws, x), jax.grad(_iterated_gelu_mlp, (0, 1))(ws, x), "dynamic_update_slice"),
+        (hooked, (ws, x), jax.grad(model, (0, 1))(ws, x), "dynamic_update_slice"),
         (per_example, (ws, xs),
-         jax.vmap(jax.grad(_iterated_gelu_mlp, (0, 1)), in_axes=(None, 0))(ws, xs), "scatter"),
+         jax.vmap(jax.grad(model, (0, 1)), in_axes=(None, 0))(ws, xs), "scatter"),
     ]:
-        with _target.resolve("v5e").tracing():
-            traced = jax.make_jaxpr(fn)(*args)
+        text, got = _traced_for_a_tpu_and_run_here(fn, *args)
         if jax.__version_info__ >= (0, 11):  # `for w in ws` slices on jax 0.10
-            assert written in str(traced)
-        got = jax.tree.unflatten(jax.tree.structure(expected),
-                                 jp.jaxpr_as_fun(traced)(*args))
-        assert tree_equal(got, expected)
+            assert written in text
+        assert tree_equal(jax.tree.unflatten(jax.tree.structure(expected), got), expected)
+
+
+@needs_tpu
+def test_stacked_weights_written_slice_by_slice_under_explicit_sharding():
+    # The buffer the slices are written into is sharded as they are.
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    ws, x = mlp_params(layers=3, width=8, batch=8)
+    with jax.set_mesh(mesh):
+        ws = jax.device_put(ws, NamedSharding(mesh, P(None, "x")))
+        x = jax.device_put(x, NamedSharding(mesh, P("x")))
+        hooked = jax.grad(residual.with_hooks(_iterated_gelu_mlp, policy=Negate()))
+        _, got = _traced_for_a_tpu_and_run_here(hooked, ws, x)
+        assert tree_equal(got[0], jax.grad(_iterated_gelu_mlp)(ws, x))
 
 
 @needs_tpu
