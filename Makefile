@@ -28,7 +28,7 @@ PYTEST_WORKERS ?= auto
 export ALLOW_MULTIPLE_LIBTPU_LOAD := 1
 export JAX_SKIP_CUDA_CONSTRAINTS_CHECK := 1
 
-.PHONY: demo test suite test-jax suite-upgrade-flags lint docs bench bench-gpu clean
+.PHONY: demo test suite test-jax suite-.venv-jax011 suite-.venv-jax012 suite-upgrade-flags lint docs bench bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -70,6 +70,16 @@ define suite
 	$(1)/bin/python -m pytest --nbmake notebooks
 endef
 
+# The suite less the tests marked slow (15 s or more each: TPU compile-only
+# measurements, property tests, other libraries' whole models) and the notebooks, for
+# the JAX release between the oldest and the newest and for the upgrade flags: the
+# whole suite four times over takes longer than CI's 90 minutes on its 2 cores.
+define quick_suite
+	@$(1)/bin/python -c "import jax, sys; print(f'== jax {jax.__version__}, Python {sys.version.split()[0]}, tests not marked slow')"
+	$(1)/bin/python -m pytest -n $(PYTEST_WORKERS) --durations=15 -m "not slow" residual tests docs
+	$(1)/bin/python -m pytest tests/integration/multidevice
+endef
+
 # Then the flax NNX tests once more, on the oldest flax this JAX runs.
 define flax_oldest
 	PYTHONPATH=$(1)/flax-oldest $(1)/bin/python -c "import flax; print(f'== flax {flax.__version__}')"
@@ -81,26 +91,29 @@ suite: $(STAMP)
 	$(call suite,$(VENV))
 	$(call flax_oldest,$(VENV))
 
-# The suite on every other supported JAX release, and once more on the newest with JAX's
-# upgrade flags on; `make -j2 test-jax` runs them two at a time.
-test-jax: $(JAX_VENVS:%=suite-%) suite-upgrade-flags
+# The suite on every other supported JAX release (the whole suite on the newest, the
+# quick one on the release between), and the quick one once more on the newest with
+# JAX's upgrade flags on; `make -j2 test-jax` runs them two at a time.
+test-jax: suite-.venv-jax012 suite-.venv-jax011 suite-upgrade-flags
 
-suite-%: %/.installed
-	$(call suite,$*)
-	$(call flax_oldest,$*)
+suite-.venv-jax011: .venv-jax011/.installed
+	$(call quick_suite,.venv-jax011)
+	$(call flax_oldest,.venv-jax011)
+
+suite-.venv-jax012: .venv-jax012/.installed
+	$(call suite,.venv-jax012)
+	$(call flax_oldest,.venv-jax012)
 
 # JAX's opt-in flags that are to become its defaults and that plain `jax.grad` can
 # differentiate under (not `jax_scan3` yet): the day JAX flips one, the suite has passed.
 # The flags change what JAX traces, not which flax runs: the oldest flax is tested
-# without them. This suite runs last in `make -j2 test-jax`, mostly alone: it takes
-# both cores.
+# without them.
 suite-upgrade-flags: export JAX_REMAT3 = 1
 suite-upgrade-flags: export JAX_CUSTOM_VJP3 = 1
 suite-upgrade-flags: export JAX_CUSTOM_JVP3 = 1
-suite-upgrade-flags: override PYTEST_WORKERS = auto
 suite-upgrade-flags: .venv-jax012/.installed
 	@echo "== JAX upgrade flags on: jax_remat3, jax_custom_vjp3, jax_custom_jvp3"
-	$(call suite,.venv-jax012)
+	$(call quick_suite,.venv-jax012)
 
 $(JAX_VENVS:%=%/.installed): pyproject.toml
 	test -x $(@D)/bin/python || $(PYTHON312) -m venv $(@D)
