@@ -70,13 +70,15 @@ define suite
 	$(1)/bin/python -m pytest --nbmake notebooks
 endef
 
-# The suite less the tests marked slow (15 s or more each: TPU compile-only
-# measurements, property tests, other libraries' whole models) and the notebooks, for
-# the JAX release between the oldest and the newest and for the upgrade flags: the
-# whole suite four times over takes longer than CI's 90 minutes on its 2 cores.
+# The suite less the tests marked slow (15 s or more each: property tests, other
+# libraries' whole models), the programs compiled for TPUs and GPUs
+# (tests/foundation/test_target.py), the docs' examples and the notebooks, for the JAX
+# release between the oldest and the newest and for the upgrade flags: the whole suite
+# four times over takes longer than CI's 90 minutes on its 2 cores.
 define quick_suite
 	@$(1)/bin/python -c "import jax, sys; print(f'== jax {jax.__version__}, Python {sys.version.split()[0]}, tests not marked slow')"
-	$(1)/bin/python -m pytest -n $(PYTEST_WORKERS) --durations=15 -m "not slow" residual tests docs
+	$(1)/bin/python -m pytest -n $(PYTEST_WORKERS) --durations=15 -m "not slow" \
+		--ignore=tests/foundation/test_target.py residual tests
 	$(1)/bin/python -m pytest tests/integration/multidevice
 endef
 

@@ -24,7 +24,7 @@ def _strict_dtype_promotion():
         yield
 
 # JAX's opt-in flags that change what a jaxpr holds, each to become a default. CI runs
-# the suite (all but the slow tests) a second time with them all on; tests taking
+# the quick suite (see the Makefile) a second time with them all on; tests taking
 # `upgrade_flag` run with each one alone.
 UPGRADE_FLAGS = ("jax_remat3", "jax_custom_vjp3", "jax_custom_jvp3")
 
