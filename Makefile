@@ -107,7 +107,8 @@ suite-.venv-jax012: .venv-jax012/.installed
 	$(call flax_oldest,.venv-jax012)
 
 # JAX's opt-in flags that are to become its defaults and that plain `jax.grad` can
-# differentiate under (not `jax_scan3` yet): the day JAX flips one, the suite has passed.
+# differentiate under (not `jax_scan3` yet): the day JAX flips one, the quick suite has
+# passed.
 # The flags change what JAX traces, not which flax runs: the oldest flax is tested
 # without them.
 suite-upgrade-flags: export JAX_REMAT3 = 1
