@@ -71,8 +71,8 @@ define suite
 endef
 
 # The suite less the tests marked slow (15 s or more each: property tests, other
-# libraries' whole models), the programs compiled for TPUs and GPUs
-# (tests/foundation/test_target.py), the docs' examples and the notebooks, for the JAX
+# libraries' whole models), the compile-only tests of tests/foundation/test_target.py,
+# the docs' examples and the notebooks, for the JAX
 # release between the oldest and the newest and for the upgrade flags: the whole suite
 # four times over takes longer than CI's 90 minutes on its 2 cores.
 define quick_suite
