@@ -37,18 +37,29 @@ def check_grid(grid: Any) -> None:
 
 
 def checked_scale_dtype(scale_dtype: Any) -> np.dtype:
-    """`scale_dtype` as a NumPy dtype; raises unless it is float32 or bfloat16."""
+    """`scale_dtype` as a NumPy dtype; raises unless it is float32, bfloat16 or uint8."""
     try:
         scale = None if scale_dtype is None else np.dtype(scale_dtype)
     except TypeError:
         scale = None
     if scale is None:
         raise TypeError(
-            f"`scale_dtype` must be a dtype, jnp.float32 or jnp.bfloat16, but got "
+            f"`scale_dtype` must be a dtype, jnp.float32, jnp.bfloat16 or jnp.uint8, but got "
             f"{type(scale_dtype).__name__}: {scale_dtype!r}."
         )
-    if scale not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
+    if scale not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.uint8)):
         raise ValueError(
-            f"`scale_dtype` must be jnp.float32 or jnp.bfloat16, but got {scale_dtype!r}."
+            f"`scale_dtype` must be jnp.float32, jnp.bfloat16 or jnp.uint8, but got "
+            f"{scale_dtype!r}."
         )
     return scale
+
+
+def check_byte_scales(scale_dtype: np.dtype, code_format: str, bits: int) -> None:
+    """Raises for byte scales (`jnp.uint8`) on codes other than 4- and 2-bit integers."""
+    if scale_dtype == np.dtype(jnp.uint8) and (code_format != "int" or bits == 8):
+        raise ValueError(
+            "`scale_dtype=jnp.uint8` (byte scales under a float32 scale per super-group) "
+            f"is for 4- and 2-bit integer codes, but got format={code_format!r}, "
+            f"bits={bits!r}. Use jnp.float32 or jnp.bfloat16 scales, or bits=4."
+        )

@@ -15,8 +15,8 @@ from ..._info import ResidualInfo
 from ..._policy import Policy, check_bool, check_int
 from .. import _fusion
 from .._defaults import worth_packing
-from .checks import FP8, check_format, check_grid, checked_scale_dtype
-from .grid import fp8_codes, int_codes, int_values
+from .checks import FP8, check_byte_scales, check_format, check_grid, checked_scale_dtype
+from .grid import byte_scale_values, fp8_codes, int_codes, int_values
 from .layout import fits_rows, layout_of
 from .noise import salt_of
 from .packing import pack_codes, unpack_codes
@@ -52,6 +52,13 @@ class Quantize(Policy):
 
     - Memory per element, float32 residual, group 64, float32 scales: int8 1.08 B
       (0.27x), int4 0.58 B (0.14x), 2-bit 0.33 B (0.08x), fp8 1.06 B.
+    - `scale_dtype=jnp.uint8` (4- and 2-bit codes) stores each group's step as one
+      byte `k`, $S \\cdot 2^{-k/16}$ (the nearest such step), under one bfloat16 $S$,
+      the largest step, per 128 elements along the grouped axis (which a sharded
+      axis keeps on one device): small groups for little memory. At 4 bits,
+      `group_size=16` takes 0.64 B per element (0.16x) and `group_size=32` the
+      default's 0.58 B, and on the benchmark zoo's transformers they bring the
+      gradient error from int4's default 2.1-7.6% down to 1.6-5.6% and 1.9-6.6%.
     - Row statistics are stored as they are: a residual whose last axis has size 1,
       what a reduction with `keepdims=True` leaves (softmax row sums
       `[batch, heads, queries, 1]` from `jax.nn.softmax` and
@@ -106,7 +113,8 @@ class Quantize(Policy):
         format: `"int"`, `"fp8_e4m3"` or `"fp8_e5m2"`.
         group_size: the most elements one scale covers (default 64).
         stochastic: unbiased stochastic rounding instead of round-to-nearest.
-        scale_dtype: `jnp.float32` or `jnp.bfloat16`.
+        scale_dtype: `jnp.float32`, `jnp.bfloat16`, or `jnp.uint8` (byte scales under
+            a bfloat16 scale per 128 elements; 4- and 2-bit codes).
         seed: base seed of stochastic rounding.
         min_bytes: residuals smaller than this (per iteration) are stored as they are:
             they cost little, and they are where quantization hurts most.
@@ -119,7 +127,8 @@ class Quantize(Policy):
     Raises:
         TypeError: a field of the wrong type (`bits=4.0`, `stochastic="yes"`, `seed="a"`,
             `grid=None`; `True` is not an int here).
-        ValueError: an unsupported `bits`, `format`, `group_size`, `scale_dtype` or `grid`.
+        ValueError: an unsupported `bits`, `format`, `group_size`, `scale_dtype` or `grid`
+            (`jnp.uint8` scales with 8-bit or fp8 codes).
 
     Examples:
         >>> import jax, jax.numpy as jnp, residual
@@ -175,6 +184,7 @@ class Quantize(Policy):
                 "`stochastic=True` is implemented for `format='int'`; fp8 rounds to nearest."
             )
         object.__setattr__(self, "scale_dtype", checked_scale_dtype(self.scale_dtype))
+        check_byte_scales(self.scale_dtype, self.format, self.bits)
 
     def resolve(self, info: ResidualInfo) -> Policy | None:
         if not worth_packing(info) or info.nbytes < self.min_bytes:
@@ -298,7 +308,11 @@ class Quantize(Policy):
             # `pack` grouped down the rows (it alone knew whether the residual was
             # sharded); statistics along the last axis never take this shape.
             layout = by_rows
-        scale = layout.unstored(packed["scale"].astype(jnp.float32))
+        if "super_scale" in packed:
+            scale = layout.unstored(byte_scale_values(
+                packed["scale"], packed["super_scale"], layout.axis, layout.size))
+        else:
+            scale = layout.unstored(packed["scale"].astype(jnp.float32))
         if self.format != "int":
             values = layout.regroup(packed["codes"].astype(jnp.float32)) * layout.spread(scale)
             return layout.ungroup(values).astype(info.dtype)

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulat
 
 POLICIES = [rp.Quantize(bits=8), rp.Remat(), rp.Cast(jnp.bfloat16)]
 # Int4 packs two codes per byte: within a group, so on the device that holds it.
-PACKING = [rp.Quantize(bits=8), rp.Quantize(bits=4), rp.Cast(jnp.bfloat16)]
+PACKING = [rp.Quantize(bits=8), rp.Quantize(bits=4), rp.Cast(jnp.bfloat16),
+           rp.Quantize(bits=4, group_size=16, scale_dtype=jnp.uint8)]
 
 
 def mlp(params, x):
