@@ -59,7 +59,8 @@ def check_byte_scales(scale_dtype: np.dtype, code_format: str, bits: int) -> Non
     """Raises for byte scales (`jnp.uint8`) on codes other than 4- and 2-bit integers."""
     if scale_dtype == np.dtype(jnp.uint8) and (code_format != "int" or bits == 8):
         raise ValueError(
-            "`scale_dtype=jnp.uint8` (byte scales under a float32 scale per super-group) "
+            "`scale_dtype=jnp.uint8` (byte scales under a bfloat16 scale per 128 values) "
             f"is for 4- and 2-bit integer codes, but got format={code_format!r}, "
-            f"bits={bits!r}. Use jnp.float32 or jnp.bfloat16 scales, or bits=4."
+            f"bits={bits!r}. Use jnp.float32 or jnp.bfloat16 scales, or format='int' "
+            "with bits=4 or 2."
         )

@@ -129,28 +129,35 @@ def _spread_super(top, axis: int, per: int):
     return jnp.broadcast_to(grouped, shape).reshape(merged)
 
 
-def byte_scales(step, axis: int, size: int) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+def byte_scales(step, axis: int, size: int, up: bool):
     """Steps (one per group, `axis` counting the groups) as bytes under a bfloat16 step
-    per super-group: `(bytes, super-group steps, steps as stored)`.
+    per super-group: `(bytes, super-group steps, steps as stored, floored)`, `floored`
+    where a group's step is below the grid's least and takes that one.
 
-    Each stored step is the nearest of the grid, not the next one up: a step rounded
-    up would put every group's extremes a fraction of a code inside its grid's ends,
-    and rounding to nearest would then move them outward, all of them, every group
-    (a 1% bias on a LayerNorm's output at 2.2% per step, against 0.2% from the
-    nearest step). The codes clip what a step rounded down leaves beyond the grid.
+    Rounding to nearest, each stored step is the grid's nearest, not the next one up:
+    a step rounded up would put every group's extremes a fraction of a code inside
+    its grid's ends, and rounding to nearest would then move them outward, all of
+    them, every group (a 1% bias on a LayerNorm's output at 2.2% per step, against
+    0.2% from the nearest step); the codes clip what a step rounded down leaves
+    beyond the grid. Stochastic rounding (`up`) takes the next step up: it is
+    unbiased only where nothing is clipped.
     """
     per = _per_super(step.shape[axis], size)
     top = round_up(_super_max(step, axis, per), np.dtype(jnp.bfloat16))
     full = _spread_super(top.astype(jnp.float32), axis, per)
     ratio = jnp.where(full > 0, step / jnp.where(full > 0, full, 1.0), 0.0)
-    k = jnp.round(-jnp.log2(jnp.maximum(ratio, 2.0**-20)) * _PER_OCTAVE)
-    k = jnp.clip(k, 0, 255).astype(jnp.uint8)
-    return k, top, full * _powers(k)
+    exact = -jnp.log2(jnp.maximum(ratio, 2.0**-20)) * _PER_OCTAVE
+    k = jnp.clip(jnp.floor(exact) if up else jnp.round(exact), 0, 255).astype(jnp.uint8)
+    stored = full * _powers(k)
+    if up:  # the logarithm is approximate: never a step below the group's
+        k = jnp.where(stored < step, k - 1, k)
+        stored = full * _powers(k)
+    return k, top, stored, (exact > 255.5) & (full > 0)
 
 
-def byte_scale_values(scale, top, axis: int, size: int) -> jnp.ndarray:
+def byte_scale_values(scale, top, axis: int) -> jnp.ndarray:
     """The float32 steps of `byte_scales`' bytes and super-group steps."""
-    per = _per_super(scale.shape[axis], size)
+    per = scale.shape[axis] // top.shape[axis]
     return _spread_super(top.astype(jnp.float32), axis, per) * _powers(scale)
 
 
@@ -210,8 +217,13 @@ def int_codes(groups, lo, hi, broken, layout, *, bits: int, scale_dtype: np.dtyp
     # Quantize with the scale as stored (rounded up, so the grid still covers the
     # group), so unpack sees exactly what pack used.
     if scale_dtype == np.dtype(jnp.uint8):
-        scale, largest, stored = byte_scales(step, layout.axis, layout.size)
+        scale, largest, stored, floored = byte_scales(step, layout.axis, layout.size,
+                                                      up=salt is not None)
         statistics = {"scale": scale, "super_scale": largest}
+        # A group below 2^-16 of its super-group's largest step: a whole zero point
+        # within the codes, so its values, far below the step, come back as zero
+        # rather than a fraction of that step.
+        zero = jnp.where(floored, jnp.clip(jnp.round(zero), 0, top), zero)
     else:
         scale = round_up(step, scale_dtype)
         stored = scale.astype(jnp.float32)

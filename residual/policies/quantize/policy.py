@@ -54,11 +54,15 @@ class Quantize(Policy):
       (0.27x), int4 0.58 B (0.14x), 2-bit 0.33 B (0.08x), fp8 1.06 B.
     - `scale_dtype=jnp.uint8` (4- and 2-bit codes) stores each group's step as one
       byte `k`, $S \\cdot 2^{-k/16}$ (the nearest such step), under one bfloat16 $S$,
-      the largest step, per 128 elements along the grouped axis (which a sharded
-      axis keeps on one device): small groups for little memory. At 4 bits,
-      `group_size=16` takes 0.64 B per element (0.16x) and `group_size=32` the
-      default's 0.58 B, and on the benchmark zoo's transformers they bring the
-      gradient error from int4's default 2.1-7.6% down to 1.6-5.6% and 1.9-6.6%.
+      the largest step, per 128 elements along the grouped axis: small groups for
+      little memory. At 4 bits, `group_size=16` takes 0.64 B per element (0.16x)
+      and `group_size=32` the default's 0.58 B, and on the benchmark zoo's
+      transformers they bring the gradient error from int4's default 2.1-7.6% down
+      to 1.7-5.6% and 1.9-6.6%. Where no whole number of groups fills 128 elements
+      (13 groups along an axis of 200), fewer share a super-group, down to one
+      (6.2 bits per value). An axis sharded into pieces of fewer than 128 elements
+      splits super-groups across devices, and their largest step is then an
+      all-reduce: keep float scales there.
     - Row statistics are stored as they are: a residual whose last axis has size 1,
       what a reduction with `keepdims=True` leaves (softmax row sums
       `[batch, heads, queries, 1]` from `jax.nn.softmax` and
@@ -303,14 +307,14 @@ class Quantize(Policy):
             return packed  # stored as it is by `pack`: it was in host memory
         layout = layout_of(info.shape, self.group_size, windows=_fusion.for_a_tpu())
         by_rows = layout_of(info.shape, self.group_size, rows=True)
-        if (fits_rows(info.shape, self.group_size)
+        if (self._by_rows(info) and fits_rows(info.shape, self.group_size)
                 and packed["scale"].shape == by_rows.stored_shape):
             # `pack` grouped down the rows (it alone knew whether the residual was
             # sharded); statistics along the last axis never take this shape.
             layout = by_rows
         if "super_scale" in packed:
             scale = layout.unstored(byte_scale_values(
-                packed["scale"], packed["super_scale"], layout.axis, layout.size))
+                packed["scale"], packed["super_scale"], layout.axis))
         else:
             scale = layout.unstored(packed["scale"].astype(jnp.float32))
         if self.format != "int":
