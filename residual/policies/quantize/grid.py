@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .layout import repeat
 from .noise import random_bytes
 
 # Zero-point bytes that are never a zero point (see `encode_zero`): a group on the
@@ -92,9 +93,9 @@ def decode_zero(byte: jnp.ndarray, top: int) -> jnp.ndarray:
 
 # Byte scales: a group's step is `S 2^(-k / _PER_OCTAVE)` for its byte `k`, `S` the
 # largest step among the groups of its super-group (up to `SUPER` elements along the
-# grouped axis: a TPU's 128 lanes, which a sharded axis keeps on one device), stored
-# in bfloat16. 16 per octave put a step within 2.2% of the group's own, and reach
-# down to 2^-16 of `S`.
+# grouped axis: a TPU's 128 lanes, on one device wherever shards hold whole
+# multiples of 128), stored in bfloat16. 16 per octave put a step within 2.2% of the
+# group's own, and reach down to 2^-16 of `S`.
 _PER_OCTAVE = 16
 SUPER = 128
 
@@ -118,17 +119,6 @@ def _super_max(step, axis: int, per: int):
     return jnp.max(step.reshape(split), axis=axis + 1)
 
 
-def _spread_super(top, axis: int, per: int):
-    """Each super-group's value over its `per` groups (the inverse of `_super_max`): a
-    broadcast and a reshape, which keep `axis`'s sharding."""
-    grouped = jnp.expand_dims(top, axis + 1)
-    shape = list(grouped.shape)
-    shape[axis + 1] = per
-    merged = list(top.shape)
-    merged[axis] *= per
-    return jnp.broadcast_to(grouped, shape).reshape(merged)
-
-
 def byte_scales(step, axis: int, size: int, up: bool):
     """Steps (one per group, `axis` counting the groups) as bytes under a bfloat16 step
     per super-group: `(bytes, super-group steps, steps as stored, floored)`, `floored`
@@ -144,7 +134,7 @@ def byte_scales(step, axis: int, size: int, up: bool):
     """
     per = _per_super(step.shape[axis], size)
     top = round_up(_super_max(step, axis, per), np.dtype(jnp.bfloat16))
-    full = _spread_super(top.astype(jnp.float32), axis, per)
+    full = repeat(top.astype(jnp.float32), axis, per)
     ratio = jnp.where(full > 0, step / jnp.where(full > 0, full, 1.0), 0.0)
     exact = -jnp.log2(jnp.maximum(ratio, 2.0**-20)) * _PER_OCTAVE
     k = jnp.clip(jnp.floor(exact) if up else jnp.round(exact), 0, 255).astype(jnp.uint8)
@@ -158,7 +148,7 @@ def byte_scales(step, axis: int, size: int, up: bool):
 def byte_scale_values(scale, top, axis: int) -> jnp.ndarray:
     """The float32 steps of `byte_scales`' bytes and super-group steps."""
     per = scale.shape[axis] // top.shape[axis]
-    return _spread_super(top.astype(jnp.float32), axis, per) * _powers(scale)
+    return repeat(top.astype(jnp.float32), axis, per) * _powers(scale)
 
 
 def square_root_code(ratio: jnp.ndarray, noise: jnp.ndarray | None) -> jnp.ndarray:
@@ -214,9 +204,11 @@ def int_codes(groups, lo, hi, broken, layout, *, bits: int, scale_dtype: np.dtyp
         total = layout.reduce(groups, jnp.zeros((), groups.dtype), lax.add)
         square = ~broken & (lo >= 0) & (hi > 0) & (4 * total < hi * layout.size)
         step = jnp.where(square, hi / top**2, step)
-    # Quantize with the scale as stored (rounded up, so the grid still covers the
-    # group), so unpack sees exactly what pack used.
-    if scale_dtype == np.dtype(jnp.uint8):
+    # Quantize with the scale as stored, so unpack sees exactly what pack used: a
+    # float scale rounded up (the grid still covers the group), a byte scale as
+    # `byte_scales` chooses it.
+    byte = scale_dtype == np.dtype(jnp.uint8)
+    if byte:
         scale, largest, stored, floored = byte_scales(step, layout.axis, layout.size,
                                                       up=salt is not None)
         statistics = {"scale": scale, "super_scale": largest}
@@ -241,7 +233,7 @@ def int_codes(groups, lo, hi, broken, layout, *, bits: int, scale_dtype: np.dtyp
     zero = encode_zero(zero, top)
     if square_grid:
         zero = jnp.where(square, SQUARE, zero)
-    if "super_scale" in statistics:  # byte scales carry no sign: the zero point marks the group
+    if byte:  # byte scales carry no sign: the zero point marks the group
         zero = jnp.where(broken, BROKEN, zero)
     # Code 0 for a NaN or Inf (its position is NaN or clipped to an end): an
     # elementwise select, fused into the codes' own computation.

@@ -81,12 +81,7 @@ class Layout:
         """Each group's `statistic` (as `reduce` gives it) over its elements."""
         if not self.windows:
             return statistic  # broadcasts against the groups
-        # A broadcast and a reshape that keeps the sharding of `axis` (under explicit
-        # mesh axes `jnp.repeat` asks for an output sharding).
-        grouped = jnp.expand_dims(statistic, self.axis + 1)
-        shape = list(grouped.shape)
-        shape[self.axis + 1] = self.size
-        return jnp.broadcast_to(grouped, shape).reshape(self.padded)
+        return repeat(statistic, self.axis, self.size)
 
     def stored(self, statistic: jnp.ndarray) -> jnp.ndarray:
         """A statistic as stored: one value per group, `axis` divided by `size`."""
@@ -108,6 +103,18 @@ class Layout:
         shape = self.padded
         n = shape[self.axis] // self.size
         return (*shape[: self.axis], n, self.size, *shape[self.axis + 1 :])
+
+
+def repeat(x: jnp.ndarray, axis: int, times: int) -> jnp.ndarray:
+    """Each element of `x` `times` times along `axis`: a broadcast and a reshape, which
+    keep the sharding of `axis` (under explicit mesh axes `jnp.repeat` asks for an
+    output sharding)."""
+    grouped = jnp.expand_dims(x, axis + 1)
+    shape = list(grouped.shape)
+    shape[axis + 1] = times
+    merged = list(x.shape)
+    merged[axis] *= times
+    return jnp.broadcast_to(grouped, shape).reshape(merged)
 
 
 def layout_of(shape: tuple[int, ...], group_size: int, windows: bool = False,
