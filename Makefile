@@ -28,7 +28,7 @@ PYTEST_WORKERS ?= auto
 export ALLOW_MULTIPLE_LIBTPU_LOAD := 1
 export JAX_SKIP_CUDA_CONSTRAINTS_CHECK := 1
 
-.PHONY: demo test suite test-jax suite-.venv-jax011 suite-.venv-jax012 suite-upgrade-flags lint docs bench bench-gpu clean
+.PHONY: demo test suite test-jax suite-.venv-jax011 suite-.venv-jax012 flax-oldest-.venv-jax012 suite-upgrade-flags lint docs bench bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -74,11 +74,12 @@ endef
 # libraries' whole models), the compile-only tests of tests/foundation/test_target.py,
 # the docs' examples and the notebooks, for the JAX
 # release between the oldest and the newest and for the upgrade flags: the whole suite
-# four times over takes longer than CI's 90 minutes on its 2 cores.
+# four times over takes longer than CI's 90 minutes on its 2 cores. The second
+# argument narrows the tests run (all of `residual` and `tests` when empty).
 define quick_suite
 	@$(1)/bin/python -c "import jax, sys; print(f'== jax {jax.__version__}, Python {sys.version.split()[0]}, tests not marked slow')"
 	$(1)/bin/python -m pytest -n $(PYTEST_WORKERS) --durations=15 -m "not slow" \
-		--ignore=tests/foundation/test_target.py residual tests
+		--ignore=tests/foundation/test_target.py $(or $(2),residual tests)
 	$(1)/bin/python -m pytest tests/integration/multidevice
 endef
 
@@ -96,7 +97,9 @@ suite: $(STAMP)
 # The suite on every other supported JAX release (the whole suite on the newest, the
 # quick one on the release between), and the quick one once more on the newest with
 # JAX's upgrade flags on; `make -j2 test-jax` runs them two at a time.
-test-jax: suite-.venv-jax012 suite-.venv-jax011 suite-upgrade-flags
+# The newest's oldest-flax run is a target of its own, so that it takes whichever lane
+# frees first.
+test-jax: suite-.venv-jax012 suite-.venv-jax011 suite-upgrade-flags flax-oldest-.venv-jax012
 
 suite-.venv-jax011: .venv-jax011/.installed
 	$(call quick_suite,.venv-jax011)
@@ -104,19 +107,25 @@ suite-.venv-jax011: .venv-jax011/.installed
 
 suite-.venv-jax012: .venv-jax012/.installed
 	$(call suite,.venv-jax012)
+
+flax-oldest-.venv-jax012: .venv-jax012/.installed
 	$(call flax_oldest,.venv-jax012)
 
 # JAX's opt-in flags that are to become its defaults and that plain `jax.grad` can
 # differentiate under (not `jax_scan3` yet): the day JAX flips one, the quick suite has
 # passed.
 # The flags change what JAX traces, not which flax runs: the oldest flax is tested
-# without them.
+# without them. What they change is the jaxpr the engine reads, so the quick suite's
+# tests of the engine, the integrations, the policies' gradients and the JAX
+# internals run under them; the tools' and Quantize's own tests and the doctests,
+# which reach JAX through the same engine, run on the suites above only (CI's two
+# lanes share two cores within its 90 minutes).
 suite-upgrade-flags: export JAX_REMAT3 = 1
 suite-upgrade-flags: export JAX_CUSTOM_VJP3 = 1
 suite-upgrade-flags: export JAX_CUSTOM_JVP3 = 1
 suite-upgrade-flags: .venv-jax012/.installed
 	@echo "== JAX upgrade flags on: jax_remat3, jax_custom_vjp3, jax_custom_jvp3"
-	$(call quick_suite,.venv-jax012)
+	$(call quick_suite,.venv-jax012,tests/engine tests/foundation tests/integration tests/policies/test_policies.py)
 
 $(JAX_VENVS:%=%/.installed): pyproject.toml
 	test -x $(@D)/bin/python || $(PYTHON312) -m venv $(@D)
