@@ -466,6 +466,19 @@ def test_quantize_int4_on_a_tpu_unrolled_mlp_keeps_every_array_in_its_layout():
 
 
 @needs_tpu
+@pytest.mark.slow
+def test_small_groups_of_float32_codes_run_down_the_rows_on_a_tpu():
+    # Measured on v5e, jax 0.12.0.1: 4-bit codes in groups of 16 with byte scales,
+    # 0.72x plain's peak; grouped along the last axis, 1.00x, their statistics
+    # spread over `[..., 16, 16]` arrays that fill an eighth of each 128-lane tile.
+    ws, x = mlp_params(layers=8, width=256, batch=1024)
+    policy = rp.Quantize(bits=4, group_size=16, scale_dtype=jnp.uint8)
+    hooked = jax.grad(residual.with_hooks(unrolled_mlp, policy=policy))
+    plain = residual.compiled_memory(jax.grad(unrolled_mlp), ws, x, target="v5e")
+    assert residual.compiled_memory(hooked, ws, x, target="v5e").peak <= 0.80 * plain.peak
+
+
+@needs_tpu
 def test_plan_sweep_on_a_target_is_monotone_and_predicted():
     ws, x = mlp_params(layers=4, width=256, batch=512)
     sweep = residual.plan_sweep(scan_mlp, ws, x, budgets=[None, 0.9, 1.0], target="v5e",

@@ -771,11 +771,32 @@ def test_tpu_int8_codes_group_down_the_rows_outside_scans():
     groups = jnp.abs(jnp.where(finite, x, 0)).reshape(4, 64, 128).max(1)
     bound = jnp.repeat(groups, 64, axis=0) / 254 * (1 + 1e-6)
     assert bool(jnp.all(jnp.where(finite, jnp.abs(y - x) <= bound, True)))
-    # In a scan body, at 4 bits and in fp8, the groups stay along the last axis.
+    # In a scan body, in fp8, and at 4 bits in bfloat16, the groups stay along the
+    # last axis.
     in_scan = dataclasses.replace(_info(x), in_scan=True)
+    half = x.astype(jnp.bfloat16)
     assert rp.Quantize(bits=8).pack(x, in_scan)["scale"].shape == (256, 2)
-    assert rp.Quantize(bits=4).pack(x, _info(x))["scale"].shape == (256, 2)
+    assert rp.Quantize(bits=4).pack(x, in_scan)["scale"].shape == (256, 2)
+    assert rp.Quantize(bits=4).pack(half, _info(half))["scale"].shape == (256, 2)
     assert rp.Quantize(format="fp8_e4m3").pack(x, _info(x))["scale"].shape == (256, 2)
+
+
+@pytest.mark.parametrize(("bits", "group_size", "scale_dtype"), [
+    (4, 64, jnp.float32), (2, 64, jnp.float32), (4, 16, jnp.uint8)])
+def test_tpu_float32_low_bit_codes_group_down_the_rows_outside_scans(
+        bits, group_size, scale_dtype, monkeypatch):
+    # Grouped down the rows for a TPU, the values come back as the transposed
+    # residual's do grouped along its last axis elsewhere, bit for bit: same groups,
+    # same grid, NaN included.
+    scales = 1000.0 ** (jnp.arange(128) % 3).astype(jnp.float32)
+    x = jax.random.normal(jax.random.key(13), (256, 128)) * scales
+    x = x.at[70, 5].set(jnp.nan)
+    policy = rp.Quantize(bits=bits, group_size=group_size, scale_dtype=scale_dtype)
+    _, along = _round_trip(policy, x.T)
+    _as_for_a_tpu(monkeypatch)
+    packed, down = _round_trip(policy, x)
+    assert packed["scale"].shape == (256 // group_size, 128)
+    np.testing.assert_array_equal(down, along.T)
 
 
 @pytest.mark.slow

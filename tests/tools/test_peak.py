@@ -197,9 +197,9 @@ def test_inspect_peak_needs_the_compiled_program():
 def test_tpu_rows_and_quantize_statistics_in_whole_tiles():
     """On TPU the rows are the arguments, the outputs and the working values of the
     memory space whose peak the compiler counts. A TPU tiles the two minor axes of every
-    array (f32 in 8x128 tiles); Quantize reduces its groups over windows of the residual
-    as it lies, so its per-group statistics, `f32[rows, groups]` with few groups, and
-    the residual seen as groups take no padding in the forward."""
+    array (f32 in 8x128 tiles); Quantize groups these float32 residuals down their
+    rows, so its per-group statistics, `f32[rows / 64, columns]`, fill whole tiles, and
+    never reshapes the residual into groups, so it takes no padding in the forward."""
     ws = [jax.ShapeDtypeStruct((512, 512), jnp.float32)] * 2
     x = jax.ShapeDtypeStruct((1024, 512), jnp.float32)
     plain = residual.peak(jax.grad(_mlp), ws, x, target="v5e")

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ..._engine.ordering import in_device_memory, several_devices
@@ -32,8 +33,9 @@ class Quantize(Policy):
     axis, an earlier axis that `group_size` divides (else one group per row); a
     longer one is cut into near-equal groups, padded with a few zeros. No scale ever
     spans the whole tensor, and codes keep the residual's layout (sharded
-    activations stay sharded). In a program for a TPU, int8 codes of a residual
-    outside a scan body on one device group `group_size` rows of one column instead,
+    activations stay sharded). In a program for a TPU, int8 codes (and 4- and 2-bit
+    codes of float32) of a residual outside a scan body on one device group
+    `group_size` rows of one column instead,
     where `group_size` divides the rows and 128 the last axis: the TPU compiler then
     keeps the statistics lane-dense and the unrolled models' peaks below plain's (see
     the policies page). With `format="int"`, a group spanning $[lo, hi]$ is
@@ -211,18 +213,24 @@ class Quantize(Policy):
         return _fusion.recomputes(self.elementwise, auto=eight_bits and _fusion.for_a_tpu())
 
     def _by_rows(self, info: ResidualInfo) -> bool:
-        """Whether int8 codes group down the rows (`layout_of`): in a program for a TPU,
-        for a residual outside a scan body, on one device.
+        """Whether the codes group down the rows (`layout_of`): in a program for a TPU,
+        for a residual outside a scan body, on one device; int8 codes of any float,
+        4- and 2-bit codes of float32.
 
         Measured compile-only against groups along the last axis, as a ratio to plain's
-        peak: the unrolled MLPs drop below plain (v6e f32 0.96x against 1.01x, v6e bf16
-        0.82x against 1.02x, v5e bf16 0.80x against 1.06x; v5e f32 1.00x against
-        0.99x), while scan bodies rise (v5e scan MLP 0.70x against 0.61x), and 4-bit
-        and fp8 codes gain on some models and lose on others (fp8, v6e f32: 1.01x
-        against 0.97x).
+        peak: int8 on unrolled MLPs drops below plain (v6e f32 0.96x against 1.01x,
+        v6e bf16 0.82x against 1.02x, v5e bf16 0.80x against 1.06x; v5e f32 1.00x
+        against 0.99x), while scan bodies rise (v5e scan MLP 0.70x against 0.61x).
+        At 4 bits float32 gains, most with small groups, whose statistics spread over
+        a 16-wide axis fill an eighth of each 128-lane tile (v5e, groups of 16 with
+        byte scales: 8 layers 0.94x against 1.21x, 4 layers 1.00x against 1.25x; the
+        default, 4 layers: 1.00x against 1.00x, v6e 0.98x against 1.03x), while
+        bfloat16 loses (v5e, 8 layers: 0.93x against 0.74x). fp8 codes gain on some
+        models and lose on others (v6e f32: 1.01x against 0.97x).
         """
-        return (self.format == "int" and self.bits == 8 and not info.in_scan
-                and _fusion.for_a_tpu())
+        if self.format != "int" or info.in_scan or not _fusion.for_a_tpu():
+            return False
+        return self.bits == 8 or info.dtype == np.dtype(np.float32)
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> dict[str, jnp.ndarray] | jnp.ndarray:
         if not in_device_memory(x):
