@@ -771,13 +771,15 @@ def test_tpu_int8_codes_group_down_the_rows_outside_scans():
     groups = jnp.abs(jnp.where(finite, x, 0)).reshape(4, 64, 128).max(1)
     bound = jnp.repeat(groups, 64, axis=0) / 254 * (1 + 1e-6)
     assert bool(jnp.all(jnp.where(finite, jnp.abs(y - x) <= bound, True)))
-    # In a scan body, in fp8, and at 4 bits in bfloat16, the groups stay along the
-    # last axis.
+    # In a scan body, in fp8, and at 4 bits in bfloat16 or beyond two dimensions,
+    # the groups stay along the last axis.
     in_scan = dataclasses.replace(_info(x), in_scan=True)
     half = x.astype(jnp.bfloat16)
+    tokens = x.reshape(2, 128, 128)
     assert rp.Quantize(bits=8).pack(x, in_scan)["scale"].shape == (256, 2)
     assert rp.Quantize(bits=4).pack(x, in_scan)["scale"].shape == (256, 2)
     assert rp.Quantize(bits=4).pack(half, _info(half))["scale"].shape == (256, 2)
+    assert rp.Quantize(bits=4).pack(tokens, _info(tokens))["scale"].shape == (2, 128, 2)
     assert rp.Quantize(format="fp8_e4m3").pack(x, _info(x))["scale"].shape == (256, 2)
 
 

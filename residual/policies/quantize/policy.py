@@ -34,7 +34,7 @@ class Quantize(Policy):
     longer one is cut into near-equal groups, padded with a few zeros. No scale ever
     spans the whole tensor, and codes keep the residual's layout (sharded
     activations stay sharded). In a program for a TPU, int8 codes (and 4- and 2-bit
-    codes of float32) of a residual outside a scan body on one device group
+    codes of a float32 matrix) of a residual outside a scan body on one device group
     `group_size` rows of one column instead,
     where `group_size` divides the rows and 128 the last axis: the TPU compiler then
     keeps the statistics lane-dense and the unrolled models' peaks below plain's (see
@@ -215,7 +215,7 @@ class Quantize(Policy):
     def _by_rows(self, info: ResidualInfo) -> bool:
         """Whether the codes group down the rows (`layout_of`): in a program for a TPU,
         for a residual outside a scan body, on one device; int8 codes of any float,
-        4- and 2-bit codes of float32.
+        4- and 2-bit codes of a float32 matrix.
 
         Measured compile-only against groups along the last axis, as a ratio to plain's
         peak: int8 on unrolled MLPs drops below plain (v6e f32 0.96x against 1.01x,
@@ -225,12 +225,15 @@ class Quantize(Policy):
         a 16-wide axis fill an eighth of each 128-lane tile (v5e, groups of 16 with
         byte scales: 8 layers 0.94x against 1.21x, 4 layers 1.00x against 1.25x; the
         default, 4 layers: 1.00x against 1.00x, v6e 0.98x against 1.03x), while
-        bfloat16 loses (v5e, 8 layers: 0.93x against 0.74x). fp8 codes gain on some
-        models and lose on others (v6e f32: 1.01x against 0.97x).
+        bfloat16 loses (v5e, 8 layers: 0.93x against 0.74x), and so do a
+        transformer's `[batch, sequence, width]` residuals (v5e, unrolled flax NNX
+        transformer, int4: 0.77x against 0.67x). fp8 codes gain on some models and
+        lose on others (v6e f32: 1.01x against 0.97x).
         """
         if self.format != "int" or info.in_scan or not _fusion.for_a_tpu():
             return False
-        return self.bits == 8 or info.dtype == np.dtype(np.float32)
+        return self.bits == 8 or (info.dtype == np.dtype(np.float32)
+                                  and len(info.shape) == 2)
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> dict[str, jnp.ndarray] | jnp.ndarray:
         if not in_device_memory(x):
