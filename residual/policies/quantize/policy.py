@@ -35,9 +35,9 @@ class Quantize(Policy):
     spans the whole tensor, and codes keep the residual's layout (sharded
     activations stay sharded). In a program for a TPU, int8 codes (and 4- and 2-bit
     codes of a float32 matrix) of a residual outside a scan body on one device group
-    `group_size` rows of one column instead,
-    where `group_size` divides the rows and 128 the last axis: the TPU compiler then
-    keeps the statistics lane-dense and the unrolled models' peaks below plain's (see
+    `group_size` rows of one column instead, where `group_size` divides the rows and
+    128 the last axis: the TPU compiler then keeps the statistics lane-dense and the
+    unrolled models' peaks below plain's (see
     the policies page). With `format="int"`, a group spanning $[lo, hi]$ is
     stored as codes of the nearest of $2^b$ evenly spaced values $(c - z) s$ (affine
     quantization: a scale $s$ and a zero point $z$ per group), packed into
@@ -225,11 +225,11 @@ class Quantize(Policy):
         a 16-wide axis fill an eighth of each 128-lane tile (the tests' unrolled tanh
         MLP, width 1024, batch 4096; v5e, groups of 16 with byte scales: 8 layers
         0.94x against 1.21x, 4 layers 1.00x against 1.25x; the default, 4 layers:
-        1.00x against 1.00x, v6e 0.98x against 1.03x), while
-        bfloat16 loses (v5e, 8 layers: 0.93x against 0.74x), and so do a
-        transformer's `[batch, sequence, width]` residuals (v5e, unrolled flax NNX
-        transformer, int4: 0.77x against 0.67x). fp8 codes gain on some models and
-        lose on others (v6e f32: 1.01x against 0.97x).
+        1.00x against 1.00x, v6e 0.98x against 1.03x), while bfloat16 loses (v5e,
+        8 layers: 0.93x against 0.74x), and so do a transformer's `[batch,
+        sequence, width]` residuals (v5e, unrolled flax NNX transformer, int4: 0.77x
+        against 0.67x). fp8 codes gain on some models and lose on others (v6e f32:
+        1.01x against 0.97x).
         """
         if self.format != "int" or info.in_scan or not _fusion.for_a_tpu():
             return False
