@@ -54,6 +54,11 @@ def resolved(policy: Policy, info: Any, recompute: bool) -> Policy:
     return policy
 
 
+def program_platform() -> str:
+    """`"tpu"`, `"gpu"` or `"cpu"`: what the program being traced is for."""
+    return platform_family(program_device().platform)
+
+
 def for_a_tpu() -> bool:
     """Whether the program being traced is for a TPU."""
-    return platform_family(program_device().platform) == "tpu"
+    return program_platform() == "tpu"

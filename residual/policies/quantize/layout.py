@@ -131,9 +131,10 @@ def layout_of(shape: tuple[int, ...], group_size: int, windows: bool = False,
 
     So a scale never spans more than `group_size` values, and never the whole tensor.
     `windows`: see `Layout.reduce`. `rows`: groups run down the second-to-last axis
-    instead (`group_size` rows of one column) where `group_size` divides it and whole
-    128-lane tiles fill the last one (`fits_rows`): a TPU then keeps the statistics
-    lane-dense and spreads them over their groups with a reshape that moves no data.
+    instead (`group_size` rows of one column: one feature across tokens) where
+    `group_size` divides it and whole 128-lane tiles fill the last one (`fits_rows`):
+    a TPU then keeps the statistics lane-dense and spreads them over their groups
+    with a reshape that moves no data.
     """
     shape = tuple(shape)
     if rows and fits_rows(shape, group_size):
@@ -153,5 +154,8 @@ def layout_of(shape: tuple[int, ...], group_size: int, windows: bool = False,
 
 
 def fits_rows(shape: tuple[int, ...], group_size: int) -> bool:
-    """Whether `layout_of(..., rows=True)` groups `shape` down its rows."""
-    return len(shape) >= 2 and shape[-2] % group_size == 0 and shape[-1] % 128 == 0
+    """Whether `layout_of(..., rows=True)` groups `shape` down its rows. (Groups of
+    one run nowhere: their statistics, shaped as the residual, would not tell `unpack`
+    which way byte scales' super-groups ran.)"""
+    return (group_size > 1 and len(shape) >= 2 and shape[-2] % group_size == 0
+            and shape[-1] % 128 == 0)
