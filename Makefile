@@ -1,21 +1,24 @@
 # `make demo` and `make test` each set themselves up from nothing: they create
 # .venv when it is missing and install the package with its extras into it.
-# `make test-jax` does the same for the newer JAX releases, each in a venv of its own.
-PYTHON ?= python3
+# `make test-jax` does the same for the older JAX releases, each in a venv of its own.
+# .venv runs the newest JAX pip gives (what users get), which needs Python 3.12; pyenv
+# keeps it on these machines. Without it, .venv falls back to python3.
+PYTHON312 ?= $(or $(lastword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12.*/bin/python)),$(shell command -v python3.12 2>/dev/null))
+PYTHON ?= $(or $(PYTHON312),python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# jax 0.11 and 0.12 need Python 3.12; pyenv keeps it on these machines.
-PYTHON312 ?= $(or $(lastword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12.*/bin/python)),python3.12)
-# The JAX releases `make test-jax` tests besides .venv's (the newest for Python 3.11).
-JAX_VENVS := .venv-jax011 .venv-jax012
+# The older JAX releases `make test-jax` tests besides .venv's, and the Python each needs.
+JAX_VENVS := .venv-jax010 .venv-jax011
+jax_version.venv-jax010 := 0.10.2
 jax_version.venv-jax011 := 0.11.2
-jax_version.venv-jax012 := 0.12.0.1
+python.venv-jax010 := python3
+python.venv-jax011 := $(or $(PYTHON312),python3.12)
 # The oldest flax each JAX release runs: the NNX tests run a second time on it, after
 # the suite has run on the newest flax pip gives.
-flax_oldest.venv := 0.12.7
+flax_oldest.venv := 0.12.10
+flax_oldest.venv-jax010 := 0.12.7
 flax_oldest.venv-jax011 := 0.12.10
-flax_oldest.venv-jax012 := 0.12.10
 DEMO_STAMP := $(VENV)/.installed-demo
 # pytest-xdist workers for the tests: one per core; `0` runs them in pytest's own process
 # (as `make -j2 test-jax` does in CI, where the two suites already share the cores).
@@ -28,7 +31,7 @@ PYTEST_WORKERS ?= auto
 export ALLOW_MULTIPLE_LIBTPU_LOAD := 1
 export JAX_SKIP_CUDA_CONSTRAINTS_CHECK := 1
 
-.PHONY: demo test suite test-jax suite-.venv-jax011 suite-.venv-jax012 flax-oldest-.venv-jax012 suite-upgrade-flags lint docs bench bench-gpu clean
+.PHONY: demo test suite test-jax suite-.venv-jax010 suite-.venv-jax011 suite-upgrade-flags lint docs bench bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -70,17 +73,15 @@ define suite
 	$(1)/bin/python -m pytest --nbmake notebooks
 endef
 
-# The suite less the tests marked slow (15 s or more each: property tests, other
-# libraries' whole models), the compile-only tests of tests/foundation/test_target.py,
-# the docs' examples and the notebooks, for the JAX
-# release between the oldest and the newest and for the upgrade flags: the whole suite
-# four times over takes longer than CI's 90 minutes on its 2 cores. The second
-# argument narrows the tests run (all of `residual` and `tests` when empty).
-define quick_suite
-	@$(1)/bin/python -c "import jax, sys; print(f'== jax {jax.__version__}, Python {sys.version.split()[0]}, tests not marked slow')"
-	$(1)/bin/python -m pytest -n $(PYTEST_WORKERS) --durations=15 -m "not slow" \
-		--ignore=tests/foundation/test_target.py $(or $(2),residual tests)
-	$(1)/bin/python -m pytest tests/integration/multidevice
+# On the older releases and under JAX's upgrade flags, the tests of what changes between
+# JAX releases: the JAX internals the library uses, and the engine reading the jaxprs
+# JAX traces, at every derivative order. The whole suite once more per release would
+# take longer than CI's 90 minutes on its 2 cores.
+COMPAT_TESTS := tests/foundation/test_jax_private.py tests/engine/test_transform.py \
+	tests/engine/test_higher_order.py
+define compat_suite
+	@$(1)/bin/python -c "import jax, sys; print(f'== jax {jax.__version__}, Python {sys.version.split()[0]}, the JAX-dependent tests')"
+	$(1)/bin/python -m pytest -n $(PYTEST_WORKERS) --durations=5 -m "not slow" $(COMPAT_TESTS)
 endef
 
 # Then the flax NNX tests once more, on the oldest flax this JAX runs.
@@ -94,43 +95,31 @@ suite: $(STAMP)
 	$(call suite,$(VENV))
 	$(call flax_oldest,$(VENV))
 
-# The suite on every other supported JAX release (the whole suite on the newest, the
-# quick one on the release between), and the quick one once more on the newest with
-# JAX's upgrade flags on; `make -j2 test-jax` runs them two at a time.
-# The newest's oldest-flax run is a target of its own, so that it takes whichever lane
-# frees first.
-test-jax: suite-.venv-jax012 suite-.venv-jax011 suite-upgrade-flags flax-oldest-.venv-jax012
+# The oldest and the middle JAX release, and the newest once more with JAX's upgrade
+# flags on; `make -j2 test-jax` runs them two at a time.
+test-jax: suite-.venv-jax010 suite-.venv-jax011 suite-upgrade-flags
+
+suite-.venv-jax010: .venv-jax010/.installed
+	$(call compat_suite,.venv-jax010)
+	$(call flax_oldest,.venv-jax010)
 
 suite-.venv-jax011: .venv-jax011/.installed
-	$(call quick_suite,.venv-jax011)
-	$(call flax_oldest,.venv-jax011)
-
-suite-.venv-jax012: .venv-jax012/.installed
-	$(call suite,.venv-jax012)
-
-flax-oldest-.venv-jax012: .venv-jax012/.installed
-	$(call flax_oldest,.venv-jax012)
+	$(call compat_suite,.venv-jax011)
 
 # JAX's opt-in flags that are to become its defaults and that plain `jax.grad` can
-# differentiate under (not `jax_scan3` yet): the day JAX flips one, the quick suite has
-# passed.
-# The flags change what JAX traces, not which flax runs: the oldest flax is tested
-# without them. What they change is the jaxpr the engine reads, so the quick suite's
-# tests of the engine, the integrations, the policies' gradients and the JAX
-# internals run under them; the tools' and Quantize's own tests and the doctests,
-# which reach JAX through the same engine, run on the suites above only (CI's two
-# lanes share two cores within its 90 minutes).
+# differentiate under (not `jax_scan3` yet): the day JAX flips one, these tests have
+# passed. The whole suite runs each flag alone in tests/integration/test_upgrade_flags.py.
 suite-upgrade-flags: export JAX_REMAT3 = 1
 suite-upgrade-flags: export JAX_CUSTOM_VJP3 = 1
 suite-upgrade-flags: export JAX_CUSTOM_JVP3 = 1
-suite-upgrade-flags: .venv-jax012/.installed
+suite-upgrade-flags: $(STAMP)
 	@echo "== JAX upgrade flags on: jax_remat3, jax_custom_vjp3, jax_custom_jvp3"
-	$(call quick_suite,.venv-jax012,tests/engine tests/foundation tests/integration tests/policies/test_policies.py)
+	$(call compat_suite,$(VENV))
 
 $(JAX_VENVS:%=%/.installed): pyproject.toml
-	test -x $(@D)/bin/python || $(PYTHON312) -m venv $(@D)
+	test -x $(@D)/bin/python || $(python$(@D)) -m venv $(@D)
 	$(@D)/bin/python -m pip install --quiet --upgrade pip
-	$(@D)/bin/python -m pip install -e ".[test,notebooks,tpu,cuda]" \
+	$(@D)/bin/python -m pip install --quiet -e ".[test]" \
 		"jax==$(jax_version$(@D))" "jaxlib==$(jax_version$(@D))"
 	$(@D)/bin/python -m pip install --quiet --no-deps --upgrade --target $(@D)/flax-oldest \
 		"flax==$(flax_oldest$(@D))"

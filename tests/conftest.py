@@ -1,10 +1,10 @@
 import os
 
-# Compile-only targets (tests/foundation/test_target.py). libtpu lets one process load it at a time
-# unless told otherwise, and every pytest-xdist worker loads it (as does every suite that
-# `make -j2 test-jax` runs side by side); nothing runs on those TPUs. JAX's CUDA plugin,
-# finding no CUDA runtime on a machine without a GPU, registers (for compiling only) when
-# its runtime check is skipped. Set before JAX loads either.
+# Compile-only targets (tests/foundation/test_target.py). libtpu lets one process load it
+# at a time unless told otherwise, and every pytest-xdist worker loads it; nothing runs on
+# those TPUs. JAX's CUDA plugin, finding no CUDA runtime on a machine without a GPU,
+# registers (for compiling only) when its runtime check is skipped. Set before JAX loads
+# either.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
@@ -24,7 +24,7 @@ def _strict_dtype_promotion():
         yield
 
 # JAX's opt-in flags that change what a jaxpr holds, each to become a default. CI runs
-# the quick suite (see the Makefile) a second time with them all on; tests taking
+# the JAX-dependent tests (see the Makefile) a second time with them all on; tests taking
 # `upgrade_flag` run with each one alone.
 UPGRADE_FLAGS = ("jax_remat3", "jax_custom_vjp3", "jax_custom_jvp3")
 
@@ -52,7 +52,7 @@ _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large]
 # and never depends on luck; it skips shrinking, which alone can take minutes per
 # failure. The failing example is printed in full, and a local run draws the same one.
 settings.register_profile(
-    "ci", max_examples=30, deadline=None, suppress_health_check=_QUIET,
+    "ci", max_examples=20, deadline=None, suppress_health_check=_QUIET,
     derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
 )
 settings.register_profile(
