@@ -380,18 +380,17 @@ def _skipping_mlp(ws, x):
     return jnp.sum(jax.nn.gelu(jax.nn.gelu(x @ first) @ last) ** 2)
 
 
+def _run_op_by_op(fn, *args):
+    # Each operation on its own, so that equal programs give equal bits whatever XLA:CPU
+    # would fuse on this machine's CPU.
+    with jax.disable_jit():
+        return fn(*args)
+
+
 def _traced_for_a_tpu_and_run_here(fn, *args):
     with _target.resolve("v5e").tracing():
         traced = jax.make_jaxpr(fn)(*args)
-    with jax.disable_jit():
-        return str(traced), jp.jaxpr_as_fun(traced)(*args)
-
-
-def _run_op_by_op(fn, *args):
-    # As `_traced_for_a_tpu_and_run_here` evaluates: each operation on its own, so that
-    # equal programs give equal bits whatever XLA:CPU would fuse on this machine's CPU.
-    with jax.disable_jit():
-        return fn(*args)
+    return str(traced), _run_op_by_op(jp.jaxpr_as_fun(traced), *args)
 
 
 @needs_tpu
