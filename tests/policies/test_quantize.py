@@ -302,17 +302,18 @@ def test_every_shape_is_grouped_along_one_axis(shape, codes, scale):
 def test_padded_rows_whose_codes_do_not_fill_whole_bytes(bits):
     # 133 = 3 groups of 45 less 2: 135 codes per row, packed flat (not whole bytes).
     x = jax.random.normal(jax.random.key(3), (3, 133))
-    packed, y = _round_trip(rp.Quantize(bits=bits), x)
+    packed, y = _round_trip(rp.Quantize(bits=bits, scale_dtype=jnp.float32), x)
     assert packed["scale"].shape == (3, 3) and packed["codes"].size == -(-3 * 135 * bits // 8)
     assert y.shape == x.shape
     bound = jnp.max(jnp.abs(x)) / (2**bits - 2) * (1 + 1e-6)
     assert bool(jnp.all(jnp.abs(y - x) <= bound))
 
 
+@pytest.mark.parametrize("scale_dtype", [jnp.uint8, jnp.float32])
 @pytest.mark.parametrize("shape", [(), (0,), (3, 0), (1,)])
-def test_scalars_and_empty_residuals(shape):
+def test_scalars_and_empty_residuals(shape, scale_dtype):
     x = jnp.full(shape, 0.5)
-    _, y = _round_trip(rp.Quantize(bits=4), x)
+    _, y = _round_trip(rp.Quantize(bits=4, scale_dtype=scale_dtype), x)
     assert y.shape == shape and bool(jnp.all(jnp.abs(y - x) < 0.1))
 
 

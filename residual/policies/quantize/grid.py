@@ -107,9 +107,10 @@ def _powers(k: jnp.ndarray) -> jnp.ndarray:
 
 def _per_super(groups: int, size: int) -> int:
     """Groups per super-group along an axis of `groups` groups of `size`: the most
-    that divide it and span at most `SUPER` elements (one, for groups that long)."""
+    that divide it and span at most `SUPER` elements (one, for groups that long or
+    an empty axis)."""
     most = max(SUPER // size, 1)
-    return max(d for d in range(1, min(most, groups) + 1) if groups % d == 0)
+    return max((d for d in range(1, min(most, groups) + 1) if groups % d == 0), default=1)
 
 
 def _super_max(step, axis: int, per: int):
@@ -147,7 +148,7 @@ def byte_scales(step, axis: int, size: int, up: bool):
 
 def byte_scale_values(scale, top, axis: int) -> jnp.ndarray:
     """The float32 steps of `byte_scales`' bytes and super-group steps."""
-    per = scale.shape[axis] // top.shape[axis]
+    per = scale.shape[axis] // max(top.shape[axis], 1)  # an empty residual: none
     return repeat(top.astype(jnp.float32), axis, per) * _powers(scale)
 
 
