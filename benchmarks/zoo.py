@@ -37,14 +37,15 @@ POLICIES = {
     "Identity": rp.Identity(),
     "Cast(bf16)": rp.Cast(jnp.bfloat16),
     "Quantize int8": rp.Quantize(bits=8),
+    # 4-bit defaults: groups of 32 with byte scales (a byte per group under a bfloat16
+    # scale per 128 values). For comparison, groups of 64 with float32 scales, the
+    # same bytes, with and without the square grid for mostly-small non-negative
+    # groups (softmax probabilities), and groups of 16 for 11% more bytes.
     "Quantize int4": rp.Quantize(bits=4),
-    # The square grid for mostly-small non-negative groups (softmax probabilities) is
-    # int4's default; without it, for comparison.
-    "int4 uniform grid": rp.Quantize(bits=4, grid="uniform"),
-    # Byte scales (a byte per group under a bfloat16 scale per 128 values): twice the
-    # groups in the default's bytes, or four times for 11% more.
-    "int4 g32 bytes": rp.Quantize(bits=4, group_size=32, scale_dtype=jnp.uint8),
-    "int4 g16 bytes": rp.Quantize(bits=4, group_size=16, scale_dtype=jnp.uint8),
+    "int4 g64 f32": rp.Quantize(bits=4, group_size=64, scale_dtype=jnp.float32),
+    "int4 g64 uniform": rp.Quantize(bits=4, group_size=64, scale_dtype=jnp.float32,
+                                    grid="uniform"),
+    "int4 g16 bytes": rp.Quantize(bits=4, group_size=16),
 }
 # Recompute each layer from its input in the backward: only where the layers are one
 # `lax.scan` (the unrolled CNN has no per-layer boundary a policy can see).
@@ -87,9 +88,7 @@ def main(small: bool, target: str | None = None) -> int:
         (lambda r: r["Identity"][0] <= 1.0 and r["Identity"][1] == 0,
          "Identity: plain gradients, no more memory"),
         (lambda r: r["Quantize int8"][1] <= 0.01, "int8 gradient error <= 1%"),
-        (lambda r: r["Quantize int4"][1] <= 0.10, "int4 gradient error <= 10%"),
-        (lambda r: r["int4 g32 bytes"][1] <= 0.06,
-         "int4 in the default's bytes (groups of 32, byte scales), gradient error <= 6%"),
+        (lambda r: r["Quantize int4"][1] <= 0.06, "int4 gradient error <= 6%"),
         (lambda r: r["Quantize int8"][0] < 1.0, "int8 below plain memory"),
     ]
     shape = f"{blocks} blocks, width {width}, seq {seq}, batch {batch}"

@@ -283,15 +283,31 @@ def _label(policy: Policy) -> str:
     if not dataclasses.is_dataclass(policy) or not generated:
         return _short(repr(policy))
     parts = []
+    resolved = _resolved_defaults(policy)
     for i, field in enumerate(dataclasses.fields(policy)):
         if not field.repr:
             continue
         value = getattr(policy, field.name)
-        default = field.default
+        default = resolved.get(field.name, field.default)
         if i == 0 or default is dataclasses.MISSING or _differs(value, default):
             shown = value.name if isinstance(value, np.dtype) else repr(value)
             parts.append(shown if field.name == "dtype" else f"{field.name}={shown}")
     return _short(f"{type(policy).__name__}({', '.join(parts)})")
+
+
+def _resolved_defaults(policy: Policy) -> dict[str, Any]:
+    """What the fields declared `None` resolve to from the policy's other fields
+    (`Quantize`'s group size and scales, by bit width): the defaults `_label` hides."""
+    fields = [f for f in dataclasses.fields(policy) if f.init]
+    auto = [f.name for f in fields if f.default is None]
+    if not auto:
+        return {}
+    given = {f.name: getattr(policy, f.name) for f in fields if f.name not in auto}
+    try:
+        reference = type(policy)(**given)
+    except (TypeError, ValueError):
+        return {}
+    return {name: getattr(reference, name) for name in auto}
 
 
 def _differs(value, default) -> bool:

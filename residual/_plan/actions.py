@@ -17,8 +17,9 @@ LOSSLESS = {"keep", "remat", "offload"}
 MIN_BYTES = 16384
 
 # Round-trip error of each lossy action when no values are at hand (arguments given as
-# `jax.ShapeDtypeStruct`): relative RMS error on Gaussian data, groups of 64.
-NOMINAL_ERROR = {"bf16": 1.2e-3, "int8": 5.5e-3, "int4": 9.2e-2}
+# `jax.ShapeDtypeStruct`): relative RMS error on Gaussian data, `Quantize`'s default
+# groups (int8: 64, float32 scales; int4: 32, byte scales).
+NOMINAL_ERROR = {"bf16": 1.2e-3, "int8": 5.5e-3, "int4": 7.9e-2}
 
 
 @functools.cache
