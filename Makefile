@@ -105,6 +105,7 @@ suite-.venv-jax010: .venv-jax010/.installed
 
 suite-.venv-jax011: .venv-jax011/.installed
 	$(call compat_suite,.venv-jax011)
+	$(call flax_oldest,.venv-jax011)
 
 # JAX's opt-in flags that are to become its defaults and that plain `jax.grad` can
 # differentiate under (not `jax_scan3` yet): the day JAX flips one, these tests have
