@@ -47,6 +47,12 @@ POLICIES = {
                                     grid="uniform"),
     "int4 g16 bytes": rp.Quantize(bits=4, group_size=16),
 }
+# For a target: elementwise chains packed and recomputed, whichever the target's default
+# is not (a TPU recomputes them for 8-bit codes).
+ELEMENTWISE = {
+    "int8 packed": rp.Quantize(bits=8, elementwise="pack"),
+    "int4 recomputed": rp.Quantize(bits=4, elementwise="recompute"),
+}
 # Recompute each layer from its input in the backward: only where the layers are one
 # `lax.scan` (the unrolled CNN has no per-layer boundary a policy can see).
 PER_LAYER_REMAT = {"Remat per layer": rp.select([(rp.where(in_scan=True), rp.Remat())])}
@@ -92,26 +98,28 @@ def main(small: bool, target: str | None = None) -> int:
         (lambda r: r["Quantize int8"][0] < 1.0, "int8 below plain memory"),
     ]
     shape = f"{blocks} blocks, width {width}, seq {seq}, batch {batch}"
+    transformer_policies = POLICIES | (ELEMENTWISE if target else {})
     failed = 0
     failed += measure(
         f"flax NNX transformer (nnx.scan), {shape}",
         *models.nnx_transformer(blocks, width, heads, seq, batch),
-        POLICIES | PER_LAYER_REMAT, transformer_targets, target,
+        transformer_policies | PER_LAYER_REMAT, transformer_targets, target,
     )
     failed += measure(
         f"flax NNX transformer, the same blocks unrolled, {shape}",
         *models.nnx_transformer(blocks, width, heads, seq, batch, scan=False),
-        POLICIES, transformer_targets, target,
+        transformer_policies, transformer_targets, target,
     )
     failed += measure(
         f"haiku transformer (hk.layer_stack), {shape}",
         *models.haiku_transformer(blocks, width, heads, seq, batch),
-        POLICIES | PER_LAYER_REMAT, transformer_targets, target,
+        transformer_policies | PER_LAYER_REMAT, transformer_targets, target,
     )
     loss, params, tokens = models.transformer(blocks, width, heads, seq, batch)
     failed += measure(
         f"equinox transformer (lax.scan), {shape}",
-        loss, (params, tokens), POLICIES | PER_LAYER_REMAT, transformer_targets, target,
+        loss, (params, tokens), transformer_policies | PER_LAYER_REMAT, transformer_targets,
+        target,
     )
     try:
         gpt2 = models.keras_gpt2(blocks, width, heads, seq, batch)
@@ -120,7 +128,7 @@ def main(small: bool, target: str | None = None) -> int:
               "(`pip install -e .[bench]`).")
     else:
         failed += measure(f"keras-hub GPT-2 (GPT2Backbone, JAX backend), {shape}", *gpt2,
-                          POLICIES, transformer_targets, target)
+                          transformer_policies, transformer_targets, target)
     failed += measure(
         f"flax Linen CNN + BatchNorm, {stages} stages x 2 convs, {channels} channels, "
         f"{size}x{size} images, batch {images}",
