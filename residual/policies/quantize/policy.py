@@ -191,9 +191,10 @@ class Quantize(Policy):
         # scales take for groups of 64, and a smaller gradient error on every model
         # measured (the policies page).
         low_bits = self.format == "int" and self.bits < 8
-        if self.scale_dtype is None:
-            object.__setattr__(self, "scale_dtype", jnp.uint8 if low_bits else jnp.float32)
-        object.__setattr__(self, "scale_dtype", checked_scale_dtype(self.scale_dtype))
+        scale_dtype = self.scale_dtype
+        if scale_dtype is None:
+            scale_dtype = jnp.uint8 if low_bits else jnp.float32
+        object.__setattr__(self, "scale_dtype", checked_scale_dtype(scale_dtype))
         if self.group_size is None:
             byte_scales = self.scale_dtype == np.dtype(jnp.uint8)
             object.__setattr__(self, "group_size", 32 if byte_scales else 64)
