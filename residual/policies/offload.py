@@ -8,13 +8,17 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
+from .. import _jax_private as jp
 from .._engine.ordering import several_devices
 from .._info import ResidualInfo
 from .._placement import platform_family, program_device
 from .._policy import Policy
 from .._scope import saved_tensors_hooks
+from ._fusion import for_a_tpu
 
 _HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
 @dataclasses.dataclass(frozen=True)
 class Offload(Policy):
     """Moves residuals to host memory in the forward and back to the device in the backward.
@@ -68,12 +72,16 @@ class Offload(Policy):
         return self if not info.kept_alive else None
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> jnp.ndarray:
+        if _stacked_by_rows_in_host_memory(x, info):
+            x = x.astype(_WIDER[jnp.dtype(x.dtype).kind])
         return jax.device_put(x, self._host(x))
 
     def unpack(self, packed: jnp.ndarray, info: ResidualInfo) -> jnp.ndarray:
         if _concrete(packed):
-            return jax.device_put(packed, packed.sharding.with_memory_kind("device"))
-        return jax.device_put(packed, jax.memory.Space.Device)
+            value = jax.device_put(packed, packed.sharding.with_memory_kind("device"))
+        else:
+            value = jax.device_put(packed, jax.memory.Space.Device)
+        return value if value.dtype == info.dtype else value.astype(info.dtype)
 
     def _host(self, x):
         """Where `x` goes: the same devices and layout, in host memory."""
@@ -93,6 +101,26 @@ class Offload(Policy):
         # only), and a one-device sharding would pull every shard onto one device.
         # Pinned host memory is the host memory that keeps the sharding.
         return jax.memory.Space.Host
+
+
+# The 32-bit type an 8- or 16-bit value travels as, by dtype kind; each holds it exactly.
+_WIDER = {"f": jnp.float32, "V": jnp.float32, "i": jnp.int32, "u": jnp.uint32, "b": jnp.uint32}
+
+
+def _stacked_by_rows_in_host_memory(x, info: ResidualInfo) -> bool:
+    """Whether a TPU scan would stack `x` in host memory with the loop's axis among the
+    two minor axes the TPU tiles, packing several 8- or 16-bit values per row there:
+    an 8- or 16-bit array offloaded from a scan body, with fewer than two axes longer
+    than the number of devices (a longer axis stays longer than one on each device,
+    whatever the sharding)."""
+    if not info.in_scan or not hasattr(x, "dtype") or jp.is_extended_dtype(x.dtype):
+        return False
+    dtype = jnp.dtype(x.dtype)
+    if dtype.itemsize >= 4 or dtype.kind not in _WIDER or not for_a_tpu():
+        return False
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    devices = max(jax.device_count(), getattr(mesh, "size", 1))
+    return sum(d > devices for d in x.shape) < 2
 
 
 def _concrete(x) -> bool:

@@ -594,6 +594,25 @@ def test_unpinned_offload_compiles_for_a_slice_from_a_one_device_host():
     assert got == plain
 
 
+@needs_tpu
+def test_offloaded_per_row_statistics_of_a_scan_compile_for_a_tpu_and_come_back_exact():
+    # Layers one group wide: int8's zero points are a byte per row (`u8[rows, 1]`),
+    # which the TPU compiler fails to stack in host memory slice by slice ("Sublane
+    # slicing size must be multiple of element packing factor"), alone on one chip
+    # and on the narrow shards of a slice. Offloaded as 32-bit values, they compile,
+    # and the gradient is bit for bit the one kept on the device.
+    chained = rp.Chain(rp.Quantize(bits=8), rp.Offload())
+    compiled = _target.resolve("v5e").compile(
+        jax.grad(residual.with_hooks(scan_mlp, policy=chained)), mlp_params(4, 64, 512))
+    assert compiled.memory_analysis().host_temp_size_in_bytes > 0
+    ws, x = mlp_params(layers=3, width=64, batch=512)
+    text, got = _traced_for_a_tpu_and_run_here(
+        jax.grad(residual.with_hooks(scan_mlp, policy=chained)), ws, x)
+    _, expected = _traced_for_a_tpu_and_run_here(
+        jax.grad(residual.with_hooks(scan_mlp, policy=rp.Quantize(bits=8))), ws, x)
+    assert "u32[" in text and tree_equal(got, expected)
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_gradcheck_memory_on_a_target(target):
     ws, x = mlp_params(layers=4, width=256, batch=512)
