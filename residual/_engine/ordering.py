@@ -113,15 +113,17 @@ def in_device_memory(array: Any) -> bool:
 
 
 def several_devices(values: Sequence[Any]) -> bool:
-    """Whether the program may be partitioned over several devices: the run has several
-    (counting every process of a multi-host run), or a value is sharded over a mesh of
-    several (arguments placed on a compile-only TPU slice while the running backend
-    has one device)."""
-    if jax.device_count() > 1:
-        return True
+    """Whether the program may be partitioned over several devices (`devices_spanned`)."""
+    return devices_spanned(values) > 1
+
+
+def devices_spanned(values: Sequence[Any]) -> int:
+    """How many devices the program may be partitioned over: the run's (counting every
+    process of a multi-host run), or the largest mesh a value is sharded over (arguments
+    placed on a compile-only TPU slice while the running backend has one device)."""
     meshes = (getattr(getattr(jax.typeof(v), "sharding", None), "mesh", None)
               for v in values if isinstance(v, jax.Array))
-    return any(getattr(mesh, "size", 1) > 1 for mesh in meshes)
+    return max([jax.device_count(), *(getattr(mesh, "size", 1) for mesh in meshes)])
 
 
 def _movable(value: Any) -> bool:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
 from .. import _jax_private as jp
-from .._engine.ordering import several_devices
+from .._engine.ordering import devices_spanned, several_devices
 from .._info import ResidualInfo
 from .._placement import platform_family, program_device
 from .._policy import Policy
@@ -118,8 +118,7 @@ def _stacked_by_rows_in_host_memory(x, info: ResidualInfo) -> bool:
     dtype = jnp.dtype(x.dtype)
     if dtype.itemsize >= 4 or dtype.kind not in _WIDER or not for_a_tpu():
         return False
-    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-    devices = max(jax.device_count(), getattr(mesh, "size", 1))
+    devices = devices_spanned([x])
     return sum(d > devices for d in x.shape) < 2
 
 
