@@ -111,9 +111,10 @@ class Quantize(Policy):
       bytes (not where it would store the matmul output a `tanh` is recomputed from
       instead of the `tanh` output), and never runs a matmul or loop again for them.
       TPU compilers fuse those chains and store little of them, so packing each one
-      adds memory there. `elementwise="auto"` (the default) recomputes them for
-      8-bit codes (int8, fp8) in a program compiled for a TPU, and packs every
-      residual elsewhere and at 4 and 2 bits. See the policies page for the figures.
+      adds memory there. `elementwise="auto"` (the default) recomputes them in a
+      program compiled for a TPU for 8-bit codes (int8, fp8) and for 4- and 2-bit
+      codes of 16-bit floats, and packs every residual elsewhere and 4- and 2-bit
+      codes of float32. See the policies page for the figures.
 
     Built-in defaults: only floating-point residuals of at least `min_bytes` that are
     not kept alive anyway (`ResidualInfo.kept_alive`: weights, loop-invariant
@@ -136,7 +137,8 @@ class Quantize(Policy):
             they cost little, and they are where quantization hurts most.
         grid: `"auto"` (a square grid for the groups it suits, 4- and 2-bit codes) or
             `"uniform"` (evenly spaced values only).
-        elementwise: `"auto"` (recompute for 8-bit codes on a TPU, else pack),
+        elementwise: `"auto"` (recompute on a TPU for 8-bit codes and for 4- and
+            2-bit codes of 16-bit floats, else pack),
             `"pack"` (every residual) or `"recompute"` (elementwise ones recomputed
             from the packed values).
 
@@ -205,8 +207,9 @@ class Quantize(Policy):
         object.__setattr__(self, "stochastic", check_bool("Quantize", "stochastic",
                                                           self.stochastic))
         check_grid(self.grid)
-        _fusion.check_elementwise(self.elementwise, auto="recomputes them for 8-bit codes "
-                                  "on a TPU and packs them elsewhere")
+        _fusion.check_elementwise(self.elementwise, auto="recomputes them on a TPU for 8-bit "
+                                  "codes and for 4- and 2-bit codes of 16-bit floats, and "
+                                  "packs them elsewhere")
         if self.format != "int" and self.stochastic:
             raise ValueError(
                 "`stochastic=True` is implemented for `format='int'`; fp8 rounds to nearest."
@@ -218,20 +221,25 @@ class Quantize(Policy):
             return None
         if _is_row_statistic(info.shape):
             return None
-        return _fusion.resolved(self, info, self._recomputes_elementwise())
+        return _fusion.resolved(self, info, self._recomputes_elementwise(info))
 
-    def _recomputes_elementwise(self) -> bool:
-        """Whether elementwise residuals are recomputed rather than packed.
+    def _recomputes_elementwise(self, info: ResidualInfo) -> bool:
+        """Whether an elementwise residual is recomputed rather than packed.
 
-        `"auto"` recomputes them for 8-bit codes in a program for a TPU, whose compiler
-        fuses elementwise chains and stores little of them (a transformer's int8 peak,
-        v5e: 0.26x plain's recomputed, 0.64x packed), and packs them elsewhere.
+        `"auto"` recomputes it in a program for a TPU, whose compiler fuses elementwise
+        chains and stores little of them, for 8-bit codes (a transformer's int8 peak,
+        v5e: 0.26x plain's recomputed, 0.64x packed), and for 4- and 2-bit codes of a
+        16-bit float (int4 on a bf16 equinox transformer, 8 blocks of 512: 0.23x
+        against 0.33x on v5e; 4 blocks of 512, v6e: 0.24x against 0.44x); it packs
+        it elsewhere. 4-bit codes of float32 keep packing: the zoo's transformers
+        measure 0.45x to 0.47x packed against 0.49x to 0.56x recomputed (v5e).
         Recomputing is measured to cost the memory benchmarks' models nothing on CPU
         and H100, and at 4 bits the zoo's errors within half a point of packing's;
-        the other backends' and bit widths' defaults wait for the whole zoo's figures.
+        the other backends' defaults wait for the whole zoo's figures.
         """
-        return _fusion.recomputes(self.elementwise,
-                                  auto=self._eight_bits and _fusion.for_a_tpu())
+        half_width = np.dtype(info.dtype).itemsize == 2
+        return _fusion.recomputes(self.elementwise, auto=_fusion.for_a_tpu() and (
+            self._eight_bits or half_width))
 
     def _windows(self, sharded: bool) -> bool:
         """Whether groups reduce over windows of the residual as it lies (`Layout.reduce`):
