@@ -48,6 +48,9 @@ class ResidualInfo:
         derivative_of: the user's operation whose derivative rule computed it, when it
             is not a value of the forward itself (`"tanh"` for the `sub` JAX saves as
             `1 - tanh(x)`), else `None`.
+        devices: how many devices the program computing it may be partitioned over:
+            the size of the mesh its sharding names, or the run's device count
+            (every process's) where that is larger; 1 for a program on one device.
     """
 
     index: int
@@ -62,6 +65,7 @@ class ResidualInfo:
     in_scan: bool = False
     derivative_of: str | None = None
     frames: tuple[str, ...] = ()
+    devices: int = 1
 
     @property
     def size(self) -> int:

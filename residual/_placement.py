@@ -33,6 +33,11 @@ def program_devices() -> tuple[jax.Device, ...]:
     return _TARGET_DEVICES.value or tuple(jax.devices())
 
 
+def tracing_for_a_target() -> bool:
+    """Whether the program being traced is for a compile-only target's devices."""
+    return bool(_TARGET_DEVICES.value)
+
+
 @contextlib.contextmanager
 def tracing_for(devices: Sequence[jax.Device]) -> Iterator[None]:
     with _TARGET_DEVICES(tuple(devices)):

@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 
 from .. import _jax_private as jp
+from .._placement import tracing_for_a_target
 
 
 def ordered(
@@ -118,12 +119,18 @@ def several_devices(values: Sequence[Any]) -> bool:
 
 
 def devices_spanned(values: Sequence[Any]) -> int:
-    """How many devices the program may be partitioned over: the run's (counting every
-    process of a multi-host run), or the largest mesh a value is sharded over (arguments
-    placed on a compile-only TPU slice while the running backend has one device)."""
-    meshes = (getattr(getattr(jax.typeof(v), "sharding", None), "mesh", None)
-              for v in values if isinstance(v, jax.Array))
-    return max([jax.device_count(), *(getattr(mesh, "size", 1) for mesh in meshes)])
+    """How many devices the program may be partitioned over: the largest mesh a value
+    is sharded over, or the run's devices (counting every process of a multi-host run)
+    where that is more. A program for a compile-only target spans what its shardings
+    say: this host's devices are not the target's."""
+    return devices_spanned_by([jax.typeof(v) for v in values if isinstance(v, jax.Array)])
+
+
+def devices_spanned_by(avals: Sequence[Any]) -> int:
+    """`devices_spanned` of values of these abstract types (a jaxpr's)."""
+    meshes = (getattr(getattr(aval, "sharding", None), "mesh", None) for aval in avals)
+    run = 1 if tracing_for_a_target() else jax.device_count()
+    return max([run, *(getattr(mesh, "size", 1) for mesh in meshes)])
 
 
 def _movable(value: Any) -> bool:

@@ -19,6 +19,7 @@ from .. import _jax_private as jp
 from .._info import ResidualInfo
 from .._scope import is_marker, policy_of_marker
 from .._source import is_own_file
+from .ordering import devices_spanned_by
 
 # The `checkpoint_name` given to what a hooked call stores: an enclosing `with_hooks`
 # leaves these residuals to it, so hooks never pack already-packed data twice.
@@ -199,6 +200,7 @@ def _as_residual(index: int, var: Any, origin: _Provenance, kinds: Sequence[Inpu
         kept_alive=viewed is not None and kinds[viewed].kept_alive,
         in_scan=origin.in_scan,
         derivative_of=derivative_of,
+        devices=devices_spanned_by([aval]),
     )
     region_policies = tuple(policy_of_marker(s) for s in origin.scopes if is_marker(s))
     hookable = numeric and not origin.literal and not origin.packed
