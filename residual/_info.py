@@ -50,7 +50,8 @@ class ResidualInfo:
             `1 - tanh(x)`), else `None`.
         devices: how many devices the program computing it may be partitioned over:
             the size of the mesh its sharding names, or the run's device count
-            (every process's) where that is larger; 1 for a program on one device.
+            (every process's; not for a compile-only target) where that is larger;
+            1 for a program on one device.
     """
 
     index: int
