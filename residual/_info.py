@@ -51,7 +51,7 @@ class ResidualInfo:
         devices: how many devices the program computing it may be partitioned over:
             the size of the mesh its sharding names, or the run's device count
             (every process's; not for a compile-only target) where that is larger;
-            1 for a program on one device.
+            1 when neither spans more.
     """
 
     index: int

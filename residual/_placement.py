@@ -34,8 +34,10 @@ def program_devices() -> tuple[jax.Device, ...]:
 
 
 def tracing_for_a_target() -> bool:
-    """Whether the program being traced is for a compile-only target's devices."""
-    return bool(_TARGET_DEVICES.value)
+    """Whether the program being traced is for a compile-only target's devices, not
+    this process's (as `target="cpu"`'s are)."""
+    devices = _TARGET_DEVICES.value
+    return bool(devices) and devices[0] not in jax.devices()
 
 
 @contextlib.contextmanager

@@ -97,10 +97,12 @@ def trace_residuals(
             index_of.setdefault(var, index)
     residuals = []
     rules = _DerivativeRules(jaxpr, n_out)
+    devices = _devices_spanned(jaxpr)
     for index, var in enumerate(residual_vars):
         origin = _Provenance(scopes=list(scope_prefix), in_scan=in_scan)
         _trace_origin(var, producers, inputs_at, origin)
-        residual = _as_residual(index, var, origin, input_kinds, rules.operation_of(origin))
+        residual = _as_residual(index, var, origin, input_kinds, devices,
+                                rules.operation_of(origin))
         residuals.append(dataclasses.replace(
             residual,
             derivation=_derivation(var, index, producers, index_of),
@@ -178,8 +180,14 @@ class _Provenance:
     view_of_input: int | None = None  # a slice or reshape of this input
 
 
+def _devices_spanned(jaxpr: jp.Jaxpr) -> int:
+    """How many devices the program of `jaxpr` spans: a residual computed from constants
+    alone (an `iota`) names no mesh, but is partitioned as its program is."""
+    return devices_spanned_by([v.aval for v in (*jaxpr.invars, *jaxpr.outvars)])
+
+
 def _as_residual(index: int, var: Any, origin: _Provenance, kinds: Sequence[InputKind],
-                 derivative_of: str | None = None) -> Residual:
+                 devices: int, derivative_of: str | None = None) -> Residual:
     aval = var.aval
     dtype = getattr(aval, "dtype", None)
     shape = tuple(getattr(aval, "shape", ()))
@@ -200,7 +208,7 @@ def _as_residual(index: int, var: Any, origin: _Provenance, kinds: Sequence[Inpu
         kept_alive=viewed is not None and kinds[viewed].kept_alive,
         in_scan=origin.in_scan,
         derivative_of=derivative_of,
-        devices=devices_spanned_by([aval]),
+        devices=devices,
     )
     region_policies = tuple(policy_of_marker(s) for s in origin.scopes if is_marker(s))
     hookable = numeric and not origin.literal and not origin.packed
@@ -496,10 +504,11 @@ def value_describer(
     jaxpr = analysis.closed.jaxpr
     producers = _producers(jaxpr)
     inputs_at = {v: i for i, v in enumerate(jaxpr.invars)}
+    devices = _devices_spanned(jaxpr)
 
     def describe(var, index: int) -> Residual:
         origin = _Provenance(scopes=list(scope_prefix), in_scan=in_scan)
         _trace_origin(var, producers, inputs_at, origin)
-        return _as_residual(index, var, origin, input_kinds)
+        return _as_residual(index, var, origin, input_kinds, devices)
 
     return describe

@@ -471,12 +471,12 @@ def test_stacked_weights_written_slice_by_slice_under_explicit_sharding():
 ])
 def test_quantize_and_cast_recompute_elementwise_residuals_by_default_on_a_tpu(
         policy, target, dtype, recomputed):
-    # 4- and 2-bit codes recompute on a TPU for 16-bit floats only.
+    # On one chip 4- and 2-bit codes recompute on a TPU for 16-bit floats only.
     ws, x = mlp_params(layers=2, width=256, batch=256, dtype=dtype)
     report = residual.inspect(_gelu_mlp, ws, x, policy=policy, target=target)
-    hows = {r.primitive: r.how for r in report.rows if r.primitive != "dot_general"}
-    assert ("recomputed" in hows.values()) == recomputed, hows
-    assert ("packed" in hows.values()) == (not recomputed), hows
+    hows = {r.how for r in report.rows if r.primitive != "dot_general"}
+    assert ("recomputed" in hows) == recomputed, hows
+    assert ("packed" in hows) == (not recomputed), hows
 
 
 @needs_tpu
@@ -629,35 +629,36 @@ def _data_parallel_on_a_slice(layers: int, width: int, batch: int):
 
 
 @needs_tpu
-@pytest.mark.parametrize(("model", "policy"), [
+@pytest.mark.parametrize(("model", "policy", "slack"), [
     # Sharded over chips, 8-bit codes reshape into groups: reduced over windows of the
     # residual as it lies, the tanh MLP's int8 peak was 1.16x plain's (0.96x reshaped).
-    (unrolled_mlp, rp.Quantize(bits=8)),
+    (unrolled_mlp, rp.Quantize(bits=8), 1.0),
     # On several devices 4-bit codes of float32 recompute GELU's chain: packing every
     # residual, this MLP's int4 peak was 1.23x plain's; recomputed, 1.0001x (jax
     # 0.12.0.1: 10 KiB over plain's 78 MiB).
-    pytest.param(_gelu_mlp, rp.Quantize(bits=4), marks=pytest.mark.slow),
+    pytest.param(_gelu_mlp, rp.Quantize(bits=4), 1.001, marks=pytest.mark.slow),
 ], ids=["int8 tanh", "int4 gelu"])
-def test_quantize_on_a_data_parallel_tpu_slice_stays_at_plains_peak(model, policy):
+def test_quantize_on_a_data_parallel_tpu_slice_stays_at_plains_peak(model, policy, slack):
     where, args = _data_parallel_on_a_slice(layers=4, width=1024, batch=4096)
 
     def peak(f):
         with where.tracing():
             return residual.Memory.of(jax.jit(jax.grad(f)).lower(*args).compile()).peak
 
-    assert peak(residual.with_hooks(model, policy=policy)) <= 1.001 * peak(model)
+    assert peak(residual.with_hooks(model, policy=policy)) <= slack * peak(model)
 
 
 @needs_tpu
 @pytest.mark.parametrize("bits", [4, 2])
 def test_low_bit_codes_of_float32_recompute_elementwise_residuals_on_a_tpu_slice(bits):
-    # On one chip 4- and 2-bit codes of float32 pack every residual (the test above);
+    # On one chip 4- and 2-bit codes of float32 pack every residual
+    # (`test_quantize_and_cast_recompute_elementwise_residuals_by_default_on_a_tpu`);
     # sharded over a slice's chips they recompute the elementwise ones.
     _, (ws, x) = _data_parallel_on_a_slice(layers=2, width=256, batch=1024)
     report = residual.inspect(_gelu_mlp, ws, x, policy=rp.Quantize(bits=bits),
                               target="v5e:2x2", compiled=False)
-    hows = {r.primitive: r.how for r in report.rows if r.primitive != "dot_general"}
-    assert "recomputed" in hows.values() and "packed" not in hows.values(), hows
+    hows = {r.how for r in report.rows if r.primitive != "dot_general"}
+    assert "recomputed" in hows and "packed" not in hows, hows
 
 
 @needs_tpu

@@ -9,9 +9,11 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import residual
 from residual import _target
+from residual import policies as rp
 
 from .test_sharding import _setup, mlp
 
@@ -71,3 +73,41 @@ def test_a_mesh_larger_than_the_target_is_refused():
     _, params, x = _setup("tensor")
     with pytest.raises(ValueError, match=r"mesh of 8 devices.*'v5e:2x2' has 4.*'v5e:2x4'"):
         residual.inspect(mlp, params, x, target="v5e:2x2")
+
+
+def _devices_seen(*args, target=None) -> set[int]:
+    """`ResidualInfo.devices` of every residual of `mlp` on `args`."""
+    spans = []
+
+    def seen(info):
+        spans.append(info.devices)
+        return True
+
+    residual.inspect(mlp, *args, policy=rp.select([(seen, rp.Identity())]), target=target,
+                     compiled=False)
+    assert spans
+    return set(spans)
+
+
+def test_residual_info_counts_the_devices_of_the_run():
+    _, params, x = _setup("data")
+    assert _devices_seen(params, x) == {8}
+    # Unsharded, the program may still be a process of a run over all 8.
+    assert _devices_seen(*jax.device_get((params, x))) == {8}
+
+
+@pytest.mark.parametrize("target", SLICES)
+def test_residual_info_counts_the_devices_of_a_targets_mesh(target):
+    # Compiled for a target, this host's 8 devices are not the program's: its mesh is.
+    _, params, x = _setup("data")
+    half = Mesh(np.array(jax.devices()[:4]), ("data",))
+
+    def on(mesh, spec):
+        return lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                              sharding=NamedSharding(mesh, spec))
+
+    split = [on(half, P())(w) for w in params], on(half, P("data"))(x)
+    assert _devices_seen(*split, target=target) == {4}
+    one = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in params], jax.ShapeDtypeStruct(
+        x.shape, x.dtype)
+    assert _devices_seen(*one, target=target) == {1}
