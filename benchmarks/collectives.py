@@ -9,6 +9,7 @@ adds or removes and its per-device peak as a ratio to plain's. Needs libtpu
     python benchmarks/collectives.py                     # v5e:2x2 and v5e:4x4
     python benchmarks/collectives.py --targets v6e:2x4
     python benchmarks/collectives.py --small             # a quick run
+    python benchmarks/collectives.py --layouts fsdp      # one mesh layout
 
 The target checked at the end: no policy adds a collective (an activation gathered
 packed, so fewer all-gathers than plain, is allowed).
@@ -17,7 +18,6 @@ packed, so fewer all-gathers than plain, is allowed).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -33,12 +33,11 @@ import _targets
 from memory import POLICIES
 
 import residual
-from residual import _target
+from residual import _target, collectives
 from residual import policies as rp
 
 POLICIES = {**POLICIES, "Offload": rp.Offload(),
             "Chain(int8, Offload)": rp.Chain(rp.Quantize(bits=8), rp.Offload())}
-KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 RECOMPUTING = {"Remat", "Remat per layer", "keep dots, remat rest"}
@@ -71,28 +70,25 @@ def scanned(activation, checkpoint=False):
     return model
 
 
-def collectives(compiled) -> Counter:
-    text = compiled.as_text()
-    return Counter({k: n for k in KINDS
-                    if (n := len(re.findall(rf"= [^=]*\b{k}(-start)?\(", text)))})
-
-
 def layouts(devices):
-    """Mesh layouts over `devices`: (name, mesh, weight spec, input spec), for weights
-    stacked as `[layers, in, out]` and inputs `[batch, features]`."""
+    """Mesh layouts over `devices` by key: (name, mesh, weight spec, input spec), for
+    weights stacked as `[layers, in, out]` and inputs `[batch, features]`."""
     n = len(devices)
     flat = Mesh(np.array(devices), ("data",))
     grid = Mesh(np.array(devices).reshape(2, n // 2), ("data", "model"))
-    return [
-        ("data parallel", flat, P(), P("data")),
-        ("FSDP (weights sharded, gathered per layer)", flat, P(None, "data"), P("data")),
-        ("tensor parallel (weights column-split)", grid, P(None, None, "model"), P("data")),
-    ]
+    return {
+        "data": ("data parallel", flat, P(), P("data")),
+        "fsdp": ("FSDP (weights sharded, gathered per layer)", flat, P(None, "data"), P("data")),
+        "tensor": ("tensor parallel (weights column-split)", grid, P(None, None, "model"),
+                   P("data")),
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", nargs="+", default=["v5e:2x2", "v5e:4x4"])
+    parser.add_argument("--layouts", nargs="+", default=["data", "fsdp", "tensor"],
+                        choices=["data", "fsdp", "tensor"])
     parser.add_argument("--small", action="store_true", help="smaller models, a quick run")
     args = parser.parse_args()
     batch, width = (1024, 512) if args.small else (4096, 1024)
@@ -104,7 +100,7 @@ def main() -> int:
     added: list[str] = []
     for target in args.targets:
         devices = _target.resolve(target).devices
-        for layout, mesh, w_spec, x_spec in layouts(devices):
+        for layout, mesh, w_spec, x_spec in map(layouts(devices).get, args.layouts):
             for model, (fn, layers) in mlps.items():
                 ws = jax.ShapeDtypeStruct((layers, width, width), jnp.float32,
                                           sharding=NamedSharding(mesh, w_spec))

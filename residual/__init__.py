@@ -2,6 +2,7 @@
 residuals your gradients save."""
 
 from . import policies as policies
+from ._collectives import collectives as collectives
 from ._engine.transform import with_hooks as with_hooks
 from ._errors import HookError as HookError
 from ._errors import TargetUnavailableError as TargetUnavailableError

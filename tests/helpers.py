@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
@@ -151,7 +150,3 @@ def compiled_text(fn, *args) -> str:
     return jax.jit(fn).lower(*args).compile().as_text()
 
 
-def collectives(text: str) -> dict[str, int]:
-    """How many of each collective a compiled program's text (`compiled.as_text()`) holds."""
-    return {op: len(re.findall(rf"= [^=]*\b{op}(-start)?\(", text)) for op in (
-        "all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")}

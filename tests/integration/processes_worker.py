@@ -65,8 +65,6 @@ def join(process_id: int, port: str) -> None:
 
 
 def main() -> None:
-    from tests.helpers import collectives  # it starts JAX's backend: after `join`
-
     mesh = Mesh(np.array(jax.devices()), ("data",))
     replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     rng = np.random.default_rng(0)  # the same on both processes, as a seed is
@@ -79,11 +77,11 @@ def main() -> None:
                  "local_devices": jax.local_device_count(), "devices": jax.device_count()}
     plain_step = jax.jit(jax.grad(loss))
     out["plain"] = local(plain_step(params, x))
-    out["collectives"] = {"plain": collectives(plain_step.lower(params, x).compile().as_text())}
+    out["collectives"] = {"plain": residual.collectives(plain_step.lower(params, x).compile())}
     for name, policy in policies().items():
         step = jax.jit(jax.grad(residual.with_hooks(loss, policy=policy)))
         out[name] = local(step(params, x))
-        out["collectives"][name] = collectives(step.lower(params, x).compile().as_text())
+        out["collectives"][name] = residual.collectives(step.lower(params, x).compile())
     out["scoped"] = local(jax.jit(jax.grad(residual.with_hooks(scoped_loss)))(params, x))
 
     # A few optimizer steps: the losses as plain training has them, step by step.

@@ -1,0 +1,110 @@
+"""`residual.collectives`: each collective of a compiled program counted once, by kind."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import residual
+from residual import _target
+from residual import policies as rp
+
+from ..foundation.test_target import needs_tpu
+
+# XLA:TPU's text for one all-gather overlapped with a matmul (shapes and attributes cut
+# short): started in one fusion, continued in two more that each repeat the instruction;
+# an all-reduce and an all-gather of the GPU's and CPU's asynchronous form beside it.
+CHAINED = """
+%fused_computation.1 (param_0.1: bf16[8,4]) -> (bf16[8,4], bf16[8,16]) {
+  %param_0.1 = bf16[8,4]{0,1:T(8,128)(2,1)S(1)} parameter(0)
+  %all-gather.34 = bf16[8,16]{0,1} all-gather(%param_0.1), channel_id=7, chain_id="0"
+  ROOT %custom-call.1 = (bf16[8,4], bf16[8,16]) custom-call(%all-gather.34)
+}
+%async_collective_fusion.2 (param_0.2: bf16[8,4]) -> bf16[8,16] {
+  %param_0.2 = bf16[8,4]{0,1:T(8,128)(2,1)S(1)} parameter(0)
+  ROOT %all-gather.36 = bf16[8,16]{0,1} all-gather(%param_0.2), channel_id=7, chain_id="0"
+}
+%async_collective_fusion.3 (param_0.3: bf16[8,4]) -> bf16[8,16] {
+  %param_0.3 = bf16[8,4]{0,1:T(8,128)(2,1)S(1)} parameter(0)
+  ROOT %all-gather.38 = bf16[8,16]{0,1} all-gather(%param_0.3), channel_id=7, chain_id="0"
+}
+ENTRY %main (p: bf16[8,4], q: f32[16]) -> (bf16[8,16], f32[16], f32[64]) {
+  %p = bf16[8,4]{0,1} parameter(0)
+  %q = f32[16]{0} parameter(1)
+  %all-gather.49 = bf16[8,16]{0,1} all-gather(%p), channel_id=2, op_name="f/all-gather(x)"
+  %all-reduce.1 = f32[16]{0} all-reduce(%q), channel_id=3, to_apply=%add
+  %all-gather-start = (f32[16]{0}, f32[64]{0}) all-gather-start(%q), channel_id=4
+  %all-gather-done = f32[64]{0} all-gather-done(%all-gather-start)
+  %all-gather-fusion.1 = bf16[8,16]{0,1} fusion(%all-gather.49), calls=%all-gather.1
+  ROOT %tuple = (bf16[8,16], f32[16], f32[64]) tuple(%all-gather-fusion.1, %all-reduce.1)
+}
+"""
+
+
+def test_a_chain_counts_once_and_names_or_metadata_not_at_all():
+    assert residual.collectives(CHAINED) == {"all-gather": 3, "all-reduce": 1}
+
+
+def test_anything_but_a_compiled_program_or_its_text_is_refused():
+    with pytest.raises(TypeError, match=r"expects a compiled program.*got Lowered"):
+        residual.collectives(jax.jit(jnp.sin).lower(1.0))
+
+
+def test_one_device_holds_none():
+    compiled = jax.jit(jax.grad(lambda x: jnp.sum(jnp.tanh(x) ** 2))).lower(
+        jnp.ones((8, 8))).compile()
+    assert residual.collectives(compiled) == {}
+
+
+def _slice(*axes: str) -> Mesh:
+    devices = _target.resolve("v5e:2x2").devices
+    return Mesh(np.array(devices).reshape(2, 2) if len(axes) == 2 else np.array(devices), axes)
+
+
+@needs_tpu
+def test_a_tpu_programs_collectives_counted_by_construction():
+    mesh = _slice("data")
+
+    def gather_and_sum(x):
+        whole = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
+        summed = jax.shard_map(lambda s: jax.lax.psum(s, "data"), mesh=mesh,
+                               in_specs=P("data"), out_specs=P())(x)
+        return whole, summed
+
+    x = jax.ShapeDtypeStruct((512, 128), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    compiled = jax.jit(gather_and_sum).lower(x).compile()
+    assert residual.collectives(compiled) == {"all-gather": 1, "all-reduce": 1}
+
+
+@needs_tpu
+@pytest.mark.parametrize("policy", [rp.Quantize(bits=8), rp.Quantize(bits=4)], ids=["int8", "int4"])
+def test_a_bfloat16_tensor_parallel_step_keeps_plains_collectives_on_a_tpu_slice(policy):
+    # XLA:TPU overlaps the backward's gathers with its matmuls, cut into as many pieces as
+    # the compute around them allows, and packing changes that compute: the pieces
+    # differ from plain's, the collectives do not.
+    mesh = _slice("data", "model")
+    ws = jax.ShapeDtypeStruct((4, 512, 512), jnp.bfloat16,
+                              sharding=NamedSharding(mesh, P(None, None, "model")))
+    x = jax.ShapeDtypeStruct((2048, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+
+    def mlp(ws, x):
+        for i in range(ws.shape[0]):
+            x = jnp.tanh(x @ ws[i])
+        return jnp.sum(x.astype(jnp.float32) ** 2)
+
+    with _target.resolve("v5e:2x2").tracing():
+        plain = jax.jit(jax.grad(mlp)).lower(ws, x).compile()
+        hooked = jax.jit(jax.grad(residual.with_hooks(mlp, policy=policy))).lower(ws, x).compile()
+    for program in (plain, hooked):
+        text = program.as_text()
+        gathers = re.findall(r"all-gather\(%.*\bchannel_id=(\d+)", text)
+        assert 'chain_id="' in text and len(gathers) > len(set(gathers))  # pieces of chains
+        # Each collective the partitioner made has a channel of its own.
+        assert residual.collectives(program)["all-gather"] == len(set(gathers)), text
+    assert residual.collectives(hooked) == residual.collectives(plain)
