@@ -263,8 +263,8 @@ class Quantize(Policy):
         Measured compile-only on v5e:2x2 (4-layer MLPs, batch 4096 x width 1024, f32),
         reshaped against windows, as a ratio to plain's peak: int8 on the data-parallel
         tanh MLP 0.96x against 1.16x, GELU 1.00x against 1.08x; tensor parallel tanh
-        0.91x against 1.13x, with one all-gather fewer; FSDP tanh 1.01x against 1.29x
-        and GELU 1.00x against 1.21x, with 4 and 2 more all-gathers of the weights.
+        0.91x against 1.13x, with the same collectives; FSDP tanh 1.01x against 1.29x
+        and GELU 1.00x against 1.21x, with one more all-gather of the weights each.
         Scanned MLPs measure the same either way. 4-bit codes lose reshaped (GELU
         data parallel 1.27x against 1.23x, FSDP 1.56x against 1.23x).
         """
