@@ -14,7 +14,7 @@ from .._info import ResidualInfo
 from .._placement import platform_family, program_device
 from .._policy import Policy
 from .._scope import saved_tensors_hooks
-from ._fusion import for_a_tpu
+from . import _fusion
 
 _HOST_KINDS = ("pinned_host", "unpinned_host")
 
@@ -30,16 +30,29 @@ class Offload(Policy):
     offloading are only measured on a GPU. Residuals kept alive anyway (weights) stay
     where they are.
 
+    In a program for a TPU (`elementwise="auto"`, the default), the residuals of
+    elementwise chains (`tanh`, GELU's terms, a loss's `2 * x`) are recomputed in the
+    backward from the values they are computed from, as the TPU compiler's fusion
+    does, wherever that stores fewer bytes: offloaded one by one, each is a device
+    array the compiler itself would not keep, written out in the forward and read
+    back in the backward (a 4-layer GELU MLP on v5e:2x2, batch 4,096 x width 1,024,
+    f32, data parallel: 1.49x plain's peak offloaded one by one, 0.92x recomputed).
+    `elementwise="pack"` offloads every residual, `"recompute"` recomputes them on
+    every backend.
+
     Args:
         memory_kind: `"pinned_host"` (default; fast DMA) or `"unpinned_host"` (pageable
             memory). Under `jit` `"unpinned_host"` stores in pinned host memory on a GPU,
             whose compiler offloads to pinned memory only (a value placed in unpinned
             memory stays on the device), and with several devices, where JAX moves a
             sharded value only to pinned host memory while keeping its sharding.
+        elementwise: `"auto"` (recompute on a TPU, else offload), `"pack"` or
+            `"recompute"`.
 
     Raises:
-        TypeError: `memory_kind` is not a string.
-        ValueError: `memory_kind` is not a host kind the default device has.
+        TypeError: `memory_kind` or `elementwise` is not a string.
+        ValueError: `memory_kind` is not a host kind the default device has, or
+            `elementwise` not one of `"auto"`, `"pack"`, `"recompute"`.
 
     Examples:
         >>> import jax, jax.numpy as jnp, residual
@@ -50,6 +63,7 @@ class Offload(Policy):
     """
 
     memory_kind: str = "pinned_host"
+    elementwise: str = "auto"
     lossless = True
 
     def __post_init__(self):
@@ -67,9 +81,14 @@ class Offload(Policy):
                 f"{device.device_kind} has {available}, so one of {hosts}, "
                 f"but got {self.memory_kind!r}."
             )
+        _fusion.check_elementwise(self.elementwise, auto="recomputes them on a TPU and "
+                                  "offloads them elsewhere")
 
     def resolve(self, info: ResidualInfo) -> Policy | None:
-        return self if not info.kept_alive else None
+        if info.kept_alive:
+            return None
+        return _fusion.resolved(self, info, _fusion.recomputes(self.elementwise,
+                                                               auto=_fusion.for_a_tpu()))
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> jnp.ndarray:
         if _stacked_by_rows_in_host_memory(x, info):
@@ -116,7 +135,7 @@ def _stacked_by_rows_in_host_memory(x, info: ResidualInfo) -> bool:
     if not info.in_scan or not hasattr(x, "dtype") or jp.is_extended_dtype(x.dtype):
         return False
     dtype = jnp.dtype(x.dtype)
-    if dtype.itemsize >= 4 or dtype.kind not in _WIDER or not for_a_tpu():
+    if dtype.itemsize >= 4 or dtype.kind not in _WIDER or not _fusion.for_a_tpu():
         return False
     devices = devices_spanned([x])
     return sum(d > devices for d in x.shape) < 2

@@ -728,7 +728,8 @@ def test_recomputing_stores_the_residual_itself_where_both_cost_the_same_at_any_
     assert not [r for r in rows if r.primitive == "dot_general"], rows
 
 
-@pytest.mark.parametrize("policy", [rp.Quantize, functools.partial(rp.Cast, jnp.bfloat16)])
+@pytest.mark.parametrize("policy", [rp.Quantize, functools.partial(rp.Cast, jnp.bfloat16),
+                                    rp.Offload])
 def test_elementwise_must_be_auto_pack_or_recompute(policy):
     with pytest.raises(ValueError, match=r"`elementwise` must be one of \('auto', 'pack', "
                        r"'recompute'\), but got 'fused'"):

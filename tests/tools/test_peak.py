@@ -254,17 +254,19 @@ def test_h100_rows_add_up_to_the_compilers_peak():
 
 @needs_tpu
 def test_tpu_offload_that_keeps_a_device_copy_is_flagged():
-    # Measured on v5e: offloading an unrolled MLP's residuals leaves the compiled peak at
-    # 1.04x plain's on jax 0.12.0.1 (8 of 8 decisions flagged: the floats stay on the
-    # device next to their host copies) and 1.20x on jax 0.10.2 (6 of 9 flagged).
+    # Measured on v5e, jax 0.12.0.1: offloading an unrolled MLP's residuals (its `tanh`
+    # derivatives recomputed, a TPU's default) leaves the compiled peak at 1.06x plain's,
+    # with the 4 offloaded floats flagged: they stay on the device next to their host
+    # copies.
     ws = [jax.ShapeDtypeStruct((1024, 1024), jnp.float32)] * 4
     x = jax.ShapeDtypeStruct((2048, 1024), jnp.float32)
     report = residual.inspect(_mlp, ws, x, policy=rp.Offload(), peak=True, target="v5e")
     offloaded = {r.label for r in report.rows if r.how == "packed" and not r.is_input}
+    decided = [r for r in report.rows if r.how in ("packed", "recomputed")]
     flagged = [n for n in report.peak.notes if "a device copy is kept" in n]
     assert report.totals["peak_ratio"] >= 1.0 and flagged, report.peak.notes
     assert {n.split()[1] for n in flagged} <= offloaded
-    assert f"{len(flagged)} of {len(offloaded)} decisions took no effect" in report.text()
+    assert f"{len(flagged)} of {len(decided)} decisions took no effect" in report.text()
 
 
 def test_inspect_peak_on_a_scan_counts_the_body_residuals_kept_as_they_are():
