@@ -40,7 +40,7 @@ class Chain(Policy):
     Examples:
         >>> from residual import policies as rp
         >>> rp.Chain(rp.Quantize(bits=8), rp.Offload())
-        Chain(Quantize(bits=8, ...), Offload(memory_kind='pinned_host'))
+        Chain(Quantize(bits=8, ...), Offload(memory_kind='pinned_host', ...))
     """
 
     policies: tuple[Policy, ...]

@@ -2,7 +2,7 @@
 listed before it, and no private name (`_x`) is imported from another module.
 
     foundation  _jax_private, _errors, _info, _policy, _scope, _source, _format,
-                _measure, _memory, _placement, _target
+                _measure, _memory, _collectives, _placement, _target
     engine      _engine/         (how `with_hooks` finds and stores residuals)
     policies    policies/        (what to do with each residual)
     tools       _inspect/, _gradcheck, _plan/, _demo, __main__, __init__
@@ -21,7 +21,8 @@ PACKAGE = Path(__file__).parents[2] / "residual"
 
 LAYERS = {
     "foundation": {"_jax_private", "_errors", "_info", "_policy", "_scope", "_source",
-                   "_format", "_measure", "_memory", "_placement", "_target"},
+                   "_format", "_measure", "_memory", "_collectives", "_placement",
+                   "_target"},
     "engine": {"_engine"},
     "policies": {"policies"},
     "tools": {"_inspect", "_gradcheck", "_plan", "_demo", "__main__", "__init__"},
