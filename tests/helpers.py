@@ -148,5 +148,3 @@ def beyond_bytes(fn, *args) -> int:
 
 def compiled_text(fn, *args) -> str:
     return jax.jit(fn).lower(*args).compile().as_text()
-
-
