@@ -20,10 +20,12 @@ def collectives(program: jax.stages.Compiled | str) -> Counter[str]:
     """The collectives of a compiled program, by kind: `{"all-gather": 12, ...}`.
 
     Each collective the program issues counts once, as its compiler wrote it (one in a
-    loop's body counts once, however many times the loop runs). XLA:TPU runs a
-    collective that overlaps compute as a chain: a start, continuation fusions that
-    each repeat the collective's instruction, and a done; such a chain is one
-    collective, whatever number of pieces the scheduler cut it into. Compare a hooked
+    loop's body counts once, however many times the loop runs). XLA may write one
+    collective several times, under one channel: XLA:TPU runs a collective that
+    overlaps compute as a chain (a start, continuation fusions that each repeat the
+    collective's instruction, a done), and a loop whose first or last iteration it peels
+    off repeats its body's collectives beside it for that iteration. Each channel counts
+    once, whatever number of pieces or copies it was cut into. Compare a hooked
     program's count with plain `jax.grad`'s to see what a policy adds to a sharded step.
 
     Args:
@@ -42,15 +44,16 @@ def collectives(program: jax.stages.Compiled | str) -> Counter[str]:
             "`collectives` expects a compiled program, `jax.jit(f).lower(*args).compile()`, "
             f"or its HLO text (`compiled.as_text()`), but got {type(program).__name__}.")
     counts: Counter[str] = Counter()
-    chains: set[tuple[str, str, str]] = set()
+    seen: set[tuple[str, str, str]] = set()
     for match in _INSTRUCTION.finditer(text):
         kind, rest = match.groups()
         chain, channel = _CHAIN.search(rest), _CHANNEL.search(rest)
-        if chain is not None:
-            # A piece of an asynchronous chain: the chain counts once.
-            key = (kind, channel.group(1) if channel else "", chain.group(1))
-            if key in chains:
+        if channel is not None or chain is not None:
+            # The partitioner gives each collective a channel of its own; its pieces and
+            # copies keep it (a chain without a channel is one collective too).
+            key = (kind, channel.group(1) if channel else "", "" if channel else chain.group(1))
+            if key in seen:
                 continue
-            chains.add(key)
+            seen.add(key)
         counts[kind] += 1
     return counts

@@ -47,8 +47,28 @@ ENTRY %main (p: bf16[8,4], q: f32[16]) -> (bf16[8,16], f32[16], f32[64]) {
 """
 
 
+# A loop whose last iteration XLA peeled off: the body's all-reduce is written again
+# after the loop for that iteration, under the body's channel; another all-reduce beside.
+PEELED = """
+%body (param: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %x = f32[16]{0} get-tuple-element(%param), index=1
+  %all-reduce.3 = f32[16]{0} all-reduce(%x), channel_id=6, to_apply=%add
+}
+ENTRY %main (p: f32[16]) -> (f32[16], f32[16]) {
+  %while = (s32[], f32[16]) while(%init), condition=%cond, body=%body
+  %last = f32[16]{0} get-tuple-element(%while), index=1
+  %all-reduce.4 = f32[16]{0} all-reduce(%last), channel_id=6, to_apply=%add
+  %all-reduce.5 = f32[16]{0} all-reduce(%p), channel_id=8, to_apply=%add
+}
+"""
+
+
 def test_a_chain_counts_once_and_names_or_metadata_not_at_all():
     assert residual.collectives(CHAINED) == {"all-gather": 3, "all-reduce": 1}
+
+
+def test_a_peeled_loop_iterations_copy_counts_with_the_loops_collective():
+    assert residual.collectives(PEELED) == {"all-reduce": 2}
 
 
 def test_anything_but_a_compiled_program_or_its_text_is_refused():
@@ -107,4 +127,32 @@ def test_a_bfloat16_tensor_parallel_step_keeps_plains_collectives_on_a_tpu_slice
         assert 'chain_id="' in text and len(gathers) > len(set(gathers))  # pieces of chains
         # Each collective the partitioner made has a channel of its own.
         assert residual.collectives(program)["all-gather"] == len(set(gathers)), text
+    assert residual.collectives(hooked) == residual.collectives(plain)
+
+
+@needs_tpu
+def test_a_scan_whose_iteration_xla_peels_keeps_plains_collectives_on_a_tpu_slice():
+    # Offloading the scan's residuals, XLA peels the forward loop's first iteration and the
+    # backward's last: the loops run one trip fewer and the peeled iterations repeat
+    # their collectives, each run as often per step as plain's.
+    mesh = _slice("data", "model")
+    ws = jax.ShapeDtypeStruct((8, 256, 256), jnp.float32,
+                              sharding=NamedSharding(mesh, P(None, None, "model")))
+    x = jax.ShapeDtypeStruct((512, 256), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+
+    def mlp(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.sum(h**2)
+
+    with _target.resolve("v5e:2x2").tracing():
+        plain = jax.jit(jax.grad(mlp)).lower(ws, x).compile()
+        hooked = jax.jit(jax.grad(residual.with_hooks(mlp, policy=rp.Offload()))).lower(
+            ws, x).compile()
+    text = hooked.as_text()
+    assert "loop_peel" in text and "loop_peel" not in plain.as_text()
+    entry = text[text.index("\nENTRY"):]
+    peeled = set(re.findall(r"all-(?:gather|reduce)\(%.*\bchannel_id=(\d+)", entry))
+    looped = set(re.findall(r"all-(?:gather|reduce)\(%.*\bchannel_id=(\d+)",
+                            text[:text.index("\nENTRY")]))
+    assert peeled & looped  # the same collectives, in the loop and beside it
     assert residual.collectives(hooked) == residual.collectives(plain)
