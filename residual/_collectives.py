@@ -25,8 +25,10 @@ def collectives(program: jax.stages.Compiled | str) -> Counter[str]:
     overlaps compute as a chain (a start, continuation fusions that each repeat the
     collective's instruction, a done), and a loop whose first or last iteration it peels
     off repeats its body's collectives beside it for that iteration. Each channel counts
-    once, whatever number of pieces or copies it was cut into. Compare a hooked
-    program's count with plain `jax.grad`'s to see what a policy adds to a sharded step.
+    once, whatever number of pieces or copies it was cut into; a copy XLA gives a
+    channel of its own counts apart (on an FSDP scan under `Offload`, the peeled
+    iteration's gather of the weights does). Compare a hooked program's count with plain
+    `jax.grad`'s to see what a policy adds to a sharded step.
 
     Args:
         program: `jax.jit(f).lower(*args).compile()`, or the text of its optimized HLO
