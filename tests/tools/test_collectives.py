@@ -82,6 +82,11 @@ def test_one_device_holds_none():
     assert residual.collectives(compiled) == {}
 
 
+def _channels(text: str, kinds: str = "gather|reduce") -> list[str]:
+    """The channel of every instruction of these kinds (`all-gather` ...) in HLO text."""
+    return re.findall(r"all-(?:" + kinds + r")\(%.*\bchannel_id=(\d+)", text)
+
+
 def _slice(*axes: str) -> Mesh:
     devices = _target.resolve("v5e:2x2").devices
     return Mesh(np.array(devices).reshape(2, 2) if len(axes) == 2 else np.array(devices), axes)
@@ -123,7 +128,7 @@ def test_a_bfloat16_tensor_parallel_step_keeps_plains_collectives_on_a_tpu_slice
         hooked = jax.jit(jax.grad(residual.with_hooks(mlp, policy=policy))).lower(ws, x).compile()
     for program in (plain, hooked):
         text = program.as_text()
-        gathers = re.findall(r"all-gather\(%.*\bchannel_id=(\d+)", text)
+        gathers = _channels(text, "gather")
         assert 'chain_id="' in text and len(gathers) > len(set(gathers))  # pieces of chains
         # Each collective the partitioner made has a channel of its own.
         assert residual.collectives(program)["all-gather"] == len(set(gathers)), text
@@ -150,9 +155,7 @@ def test_a_scan_whose_iteration_xla_peels_keeps_plains_collectives_on_a_tpu_slic
             ws, x).compile()
     text = hooked.as_text()
     assert "loop_peel" in text and "loop_peel" not in plain.as_text()
-    entry = text[text.index("\nENTRY"):]
-    peeled = set(re.findall(r"all-(?:gather|reduce)\(%.*\bchannel_id=(\d+)", entry))
-    looped = set(re.findall(r"all-(?:gather|reduce)\(%.*\bchannel_id=(\d+)",
-                            text[:text.index("\nENTRY")]))
+    entry = text.index("\nENTRY")
+    peeled, looped = set(_channels(text[entry:])), set(_channels(text[:entry]))
     assert peeled & looped  # the same collectives, in the loop and beside it
     assert residual.collectives(hooked) == residual.collectives(plain)
