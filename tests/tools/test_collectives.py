@@ -87,6 +87,12 @@ def _channels(text: str, kinds: str = "gather|reduce") -> list[str]:
     return re.findall(r"all-(?:" + kinds + r")\(%.*\bchannel_id=(\d+)", text)
 
 
+def _unrolled_mlp(ws, x):
+    for i in range(ws.shape[0]):
+        x = jnp.tanh(x @ ws[i])
+    return jnp.sum(x.astype(jnp.float32) ** 2)
+
+
 def _slice(*axes: str) -> Mesh:
     devices = _target.resolve("v5e:2x2").devices
     return Mesh(np.array(devices).reshape(2, 2) if len(axes) == 2 else np.array(devices), axes)
@@ -118,14 +124,10 @@ def test_a_bfloat16_tensor_parallel_step_keeps_plains_collectives_on_a_tpu_slice
                               sharding=NamedSharding(mesh, P(None, None, "model")))
     x = jax.ShapeDtypeStruct((2048, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
 
-    def mlp(ws, x):
-        for i in range(ws.shape[0]):
-            x = jnp.tanh(x @ ws[i])
-        return jnp.sum(x.astype(jnp.float32) ** 2)
-
     with _target.resolve("v5e:2x2").tracing():
-        plain = jax.jit(jax.grad(mlp)).lower(ws, x).compile()
-        hooked = jax.jit(jax.grad(residual.with_hooks(mlp, policy=policy))).lower(ws, x).compile()
+        plain = jax.jit(jax.grad(_unrolled_mlp)).lower(ws, x).compile()
+        hooked = jax.jit(jax.grad(residual.with_hooks(_unrolled_mlp, policy=policy))).lower(
+            ws, x).compile()
     for program in (plain, hooked):
         text = program.as_text()
         gathers = _channels(text, "gather")
@@ -158,4 +160,22 @@ def test_a_scan_whose_iteration_xla_peels_keeps_plains_collectives_on_a_tpu_slic
     entry = text.index("\nENTRY")
     peeled, looped = set(_channels(text[entry:])), set(_channels(text[:entry]))
     assert peeled & looped  # the same collectives, in the loop and beside it
+    assert residual.collectives(hooked) == residual.collectives(plain)
+
+
+@needs_tpu
+@pytest.mark.parametrize("bits", [4, 2])
+def test_byte_scales_keep_plains_collectives_on_shards_of_64_columns_of_a_tpu_slice(bits):
+    # Width 512 over 8 model shards of v5e:4x4: 64 columns, two groups of 32 each.
+    devices = _target.resolve("v5e:4x4").devices
+    mesh = Mesh(np.array(devices).reshape(2, 8), ("data", "model"))
+    ws = jax.ShapeDtypeStruct((4, 512, 512), jnp.float32,
+                              sharding=NamedSharding(mesh, P(None, None, "model")))
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+
+    with _target.resolve("v5e:4x4").tracing():
+        plain = jax.jit(jax.grad(_unrolled_mlp)).lower(ws, x).compile()
+        policy = rp.Quantize(bits=bits)
+        hooked = jax.jit(jax.grad(residual.with_hooks(_unrolled_mlp, policy=policy))).lower(
+            ws, x).compile()
     assert residual.collectives(hooked) == residual.collectives(plain)

@@ -93,11 +93,15 @@ def decode_zero(byte: jnp.ndarray, top: int) -> jnp.ndarray:
 
 # Byte scales: a group's step is `S 2^(-k / _PER_OCTAVE)` for its byte `k`, `S` the
 # largest step among the groups of its super-group (up to `SUPER` elements along the
-# grouped axis: a TPU's 128 lanes, on one device wherever shards hold whole
-# multiples of 128), stored in bfloat16. 16 per octave put a step within 2.2% of the
-# group's own, and reach down to 2^-16 of `S`.
+# grouped axis: a TPU's 128 lanes), stored in bfloat16. 16 per octave put a step
+# within 2.2% of the group's own, and reach down to 2^-16 of `S`. In a program over
+# several devices, `SUPER_SHARDED`: a super-group split across two devices would
+# take its largest step by an all-reduce, and tensor-parallel shards of 64 values
+# (a width of 1024 over 16 chips) are common; a TPU pads the steps to 128 lanes
+# either way.
 _PER_OCTAVE = 16
 SUPER = 128
+SUPER_SHARDED = 64
 
 
 def _powers(k: jnp.ndarray) -> jnp.ndarray:
@@ -105,11 +109,11 @@ def _powers(k: jnp.ndarray) -> jnp.ndarray:
     return jnp.exp2(-k.astype(jnp.float32) / _PER_OCTAVE)
 
 
-def _per_super(groups: int, size: int) -> int:
+def _per_super(groups: int, size: int, span: int) -> int:
     """Groups per super-group along an axis of `groups` groups of `size`: the most
-    that divide it and span at most `SUPER` elements (one, for groups that long or
+    that divide it and span at most `span` elements (one, for groups that long or
     an empty axis)."""
-    most = max(SUPER // size, 1)
+    most = max(span // size, 1)
     return max((d for d in range(1, min(most, groups) + 1) if groups % d == 0), default=1)
 
 
@@ -120,10 +124,11 @@ def _super_max(step, axis: int, per: int):
     return jnp.max(step.reshape(split), axis=axis + 1)
 
 
-def byte_scales(step, axis: int, size: int, up: bool):
+def byte_scales(step, axis: int, size: int, up: bool, span: int = SUPER):
     """Steps (one per group, `axis` counting the groups) as bytes under a bfloat16 step
-    per super-group: `(bytes, super-group steps, steps as stored, floored)`, `floored`
-    where a group's step is below the grid's least and takes that one.
+    per super-group of up to `span` elements: `(bytes, super-group steps, steps as
+    stored, floored)`, `floored` where a group's step is below the grid's least and
+    takes that one.
 
     Rounding to nearest, each stored step is the grid's nearest, not the next one up:
     a step rounded up would put every group's extremes a fraction of a code inside
@@ -133,7 +138,7 @@ def byte_scales(step, axis: int, size: int, up: bool):
     beyond the grid. Stochastic rounding (`up`) takes the next step up: it is
     unbiased only where nothing is clipped.
     """
-    per = _per_super(step.shape[axis], size)
+    per = _per_super(step.shape[axis], size, span)
     top = round_up(_super_max(step, axis, per), np.dtype(jnp.bfloat16))
     full = repeat(top.astype(jnp.float32), axis, per)
     ratio = jnp.where(full > 0, step / jnp.where(full > 0, full, 1.0), 0.0)
@@ -186,11 +191,13 @@ def fp8_codes(groups, lo, hi, layout, fp8: np.dtype,
 
 
 def int_codes(groups, lo, hi, broken, layout, *, bits: int, scale_dtype: np.dtype,
-              square_grid: bool, salt: int | None) -> dict[str, jnp.ndarray]:
+              square_grid: bool, salt: int | None,
+              super_span: int = SUPER) -> dict[str, jnp.ndarray]:
     """`bits`-bit codes (one per byte), scales and zero-point bytes of the groups of
     `layout` spanning `[lo, hi]` (per group, as `Layout.reduce` gives them); `broken`
     groups hold a NaN or Inf, `square_grid` lets the groups it suits take the square
-    grid, `salt` (or None) seeds stochastic rounding."""
+    grid, `salt` (or None) seeds stochastic rounding, byte scales take a bfloat16 step
+    per `super_span` elements."""
     spread = layout.spread
     top = 2**bits - 1
     half = 2 ** (bits - 1)
@@ -211,7 +218,7 @@ def int_codes(groups, lo, hi, broken, layout, *, bits: int, scale_dtype: np.dtyp
     byte = scale_dtype == np.dtype(jnp.uint8)
     if byte:
         scale, largest, stored, floored = byte_scales(step, layout.axis, layout.size,
-                                                      up=salt is not None)
+                                                      up=salt is not None, span=super_span)
         statistics = {"scale": scale, "super_scale": largest}
         # A group below 2^-16 of its super-group's largest step: a whole zero point
         # within the codes, so its values, far below the step, come back as zero

@@ -17,7 +17,7 @@ from ..._policy import Policy, check_bool, check_int
 from .. import _fusion
 from .._defaults import worth_packing
 from .checks import FP8, check_byte_scales, check_format, check_grid, checked_scale_dtype
-from .grid import byte_scale_values, fp8_codes, int_codes, int_values
+from .grid import SUPER, SUPER_SHARDED, byte_scale_values, fp8_codes, int_codes, int_values
 from .layout import fits_rows, layout_of
 from .noise import salt_of
 from .packing import pack_codes, unpack_codes
@@ -69,10 +69,11 @@ class Quantize(Policy):
       comes back within 2.2% of the group's own, so a group of one value comes
       back within about 1% of it (exactly, with float scales). Where no whole
       number of groups fills 128 elements (13 groups along an axis of 200), fewer
-      share a super-group, down to one (6.2 bits per value). An axis sharded into
-      pieces of fewer than 128 elements splits super-groups across devices, and
-      their largest step is then an all-reduce: pass `scale_dtype=jnp.float32`
-      there.
+      share a super-group, down to one (6.2 bits per value). In a program over
+      several devices a super-group spans 64 elements (0.59 B per element at 4
+      bits), so that shards of 64 keep theirs; an axis sharded into pieces of fewer
+      than 64 elements splits super-groups across devices, and their largest step
+      is then an all-reduce: pass `scale_dtype=jnp.float32` there.
     - Row statistics are stored as they are: a residual whose last axis has size 1,
       what a reduction with `keepdims=True` leaves (softmax row sums
       `[batch, heads, queries, 1]` from `jax.nn.softmax` and
@@ -331,7 +332,8 @@ class Quantize(Policy):
         if sharded:
             # Each group's range and NaN check are its own: a predicate over the whole
             # residual would be an all-reduce across the devices, in every step.
-            packed = self._codes(groups, *finite_ranges(groups, layout), salt, layout)
+            packed = self._codes(groups, *finite_ranges(groups, layout), salt, layout,
+                                 super_span=SUPER_SHARDED)
         else:
             packed = self._pack_one_device(groups, salt, layout)
         # Codes keep the residual's layout (`[..., last]`, or `[..., last * bits / 8]`
@@ -383,17 +385,19 @@ class Quantize(Policy):
         """Whether some groups may go on the square grid (a static choice)."""
         return self.format == "int" and self.bits < 8 and self.grid == "auto"
 
-    def _codes(self, groups, lo, hi, broken, salt, layout) -> dict[str, jnp.ndarray]:
+    def _codes(self, groups, lo, hi, broken, salt, layout,
+               super_span: int = SUPER) -> dict[str, jnp.ndarray]:
         """Codes and per-group scales (and zero points) for groups spanning `[lo, hi]`.
 
         `lo` and `hi` from the finite values, one per group as `layout.reduce` gives
-        them; `broken` marks the groups holding a NaN or Inf.
+        them; `broken` marks the groups holding a NaN or Inf; byte scales share a
+        step per `super_span` elements.
         """
         if self.format != "int":
             return fp8_codes(groups, lo, hi, layout, FP8[self.format], self.scale_dtype)
         return int_codes(groups, lo, hi, broken, layout, bits=self.bits,
                          scale_dtype=self.scale_dtype, square_grid=self._square_grid,
-                         salt=salt)
+                         salt=salt, super_span=super_span)
 
     def unpack(self, packed: dict[str, jnp.ndarray], info: ResidualInfo) -> jnp.ndarray:
         if not isinstance(packed, dict):

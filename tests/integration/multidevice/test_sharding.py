@@ -28,12 +28,12 @@ def mlp(params, x):
     return jnp.mean(h**2)
 
 
-def _setup(layout, batch=64):
+def _setup(layout, batch=64, width=512):
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     k1, k2 = jax.random.split(jax.random.key(0))
     # Width 512 over 4 model shards: 128 columns each, two groups of 64 per shard.
-    params = [jax.random.normal(k, (512, 512)) / 22 for k in jax.random.split(k1, 3)]
-    x = jax.random.normal(k2, (batch, 512))
+    params = [jax.random.normal(k, (width, width)) / 22 for k in jax.random.split(k1, 3)]
+    x = jax.random.normal(k2, (batch, width))
     if layout == "data":
         w_spec, x_spec = P(), P(("data", "model"), None)
     else:  # tensor parallel: weights split over "model", batch over "data"
@@ -100,6 +100,22 @@ def _checkcollectives(layout, batch, policy):
     # Each group's NaN check is its own: no all-reduce of a predicate over the shards.
     assert got["all-reduce"] == expected["all-reduce"], (got, expected)
     assert got["all-to-all"] <= expected["all-to-all"]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_byte_scales_keep_to_shards_of_64_columns(bits):
+    # Width 256 over 4 model shards: 64 columns, two groups of 32. Super-groups of 128
+    # values would span two shards, and their largest step would be an all-reduce.
+    _, params, x = _setup("tensor", 1024, width=256)
+    policy = rp.Quantize(bits=bits)
+    hooked = jax.jit(jax.grad(residual.with_hooks(mlp, policy=policy))).lower(params, x)
+    plain = jax.jit(jax.grad(mlp)).lower(params, x)
+    assert collectives(hooked.compile()) == collectives(plain.compile())
+    got, expected = (jax.jit(jax.grad(f))(params, x)
+                     for f in (residual.with_hooks(mlp, policy=policy), mlp))
+    for g, e in zip(got, expected):
+        assert g.sharding.is_equivalent_to(e.sharding, g.ndim)
+        assert _relative(g, e) < (0.06 if bits == 4 else 0.25)
 
 
 def test_inside_shard_map():
