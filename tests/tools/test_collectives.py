@@ -63,6 +63,44 @@ ENTRY %main (p: f32[16]) -> (f32[16], f32[16]) {
 """
 
 
+# The same loop written out whole: its counter starts at 1 (the peeled iteration is the
+# first), its condition stops it before 8, and XLA gave the copy a channel of its own.
+PEELED_STEP = """
+%cond (param: (s32[], f32[16])) -> pred[] {
+  %bound = s32[]{:T(128)} constant(8)
+  %param = (s32[]{:T(128)}, f32[16]{0}) parameter(0)
+  %counter = s32[]{:T(128)} get-tuple-element(%param), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%counter, %bound), direction=LT
+}
+%fused (p: f32[16]) -> f32[16] {
+  %p = f32[16]{0} parameter(0)
+  ROOT %all-gather.2 = f32[16]{0} all-gather(%p), channel_id=6, chain_id="0"
+}
+%body (param: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %x = f32[16]{0} get-tuple-element(%param), index=1
+  %all-reduce.3 = f32[16]{0} all-reduce(%x), channel_id=6, to_apply=%add
+  %piece = f32[16]{0} fusion(%x), kind=kLoop, calls=%fused
+  %done = f32[16]{0} fusion(%piece), kind=kLoop, calls=%fused
+}
+ENTRY %main (p: f32[16]) -> (f32[16], f32[16]) {
+  %one = s32[]{:T(128)} constant(1)
+  %start = s32[]{:T(128)} copy(%one)
+  %peeled = f32[16]{0} all-reduce(%p), channel_id=9, to_apply=%add
+  %init = (s32[]{:T(128)}, f32[16]{0}) tuple(%start, %peeled)
+  %while = (s32[], f32[16]) while(%init), condition=%cond, body=%body
+  %k = t while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+
+
+def test_per_step_counts_a_loops_collectives_once_a_trip_and_a_peeled_copy_once():
+    # 7 trips of the loop (from 1 to 8) and 3 of the one XLA knows, a chain of two
+    # pieces counted once a trip; the peeled copy once, whatever its channel.
+    assert residual.collectives(PEELED_STEP, per_step=True) == {
+        "all-reduce": 1 + 7 + 3, "all-gather": 7 + 3}
+    assert residual.collectives(PEELED_STEP) == {"all-reduce": 2, "all-gather": 1}
+
+
 def test_a_chain_counts_once_and_names_or_metadata_not_at_all():
     assert residual.collectives(CHAINED) == {"all-gather": 3, "all-reduce": 1}
 
@@ -161,6 +199,14 @@ def test_a_scan_whose_iteration_xla_peels_keeps_plains_collectives_on_a_tpu_slic
     peeled, looped = set(_channels(text[entry:])), set(_channels(text[:entry]))
     assert peeled & looped  # the same collectives, in the loop and beside it
     assert residual.collectives(hooked) == residual.collectives(plain)
+    # Per step, plain's loops issue each of their collectives once a layer. The peeled
+    # last backward iteration issues one all-reduce fewer: the cotangent of the input
+    # `x`, which the loop computes on its last trip and nothing reads.
+    plain_steps = residual.collectives(plain, per_step=True)
+    assert plain_steps == {k: 8 * n for k, n in residual.collectives(plain).items()}
+    hooked_steps = residual.collectives(hooked, per_step=True)
+    assert plain_steps - hooked_steps == {"all-reduce": 1}
+    assert not hooked_steps - plain_steps
 
 
 @needs_tpu
@@ -179,3 +225,29 @@ def test_byte_scales_keep_plains_collectives_on_shards_of_64_columns_of_a_tpu_sl
         hooked = jax.jit(jax.grad(residual.with_hooks(_unrolled_mlp, policy=policy))).lower(
             ws, x).compile()
     assert residual.collectives(hooked) == residual.collectives(plain)
+
+
+@needs_tpu
+def test_an_fsdp_scan_under_offload_issues_no_collective_more_per_step_on_a_tpu_slice():
+    # Each layer's weights gathered for its matmul. XLA peels the forward's first
+    # iteration and gives the loop's copy of the gather a channel of its own, so the
+    # program holds one gather more than plain's; per step it issues one fewer, the
+    # backward's last iteration reading the gather of the peeled first.
+    mesh = _slice("data")
+    ws = jax.ShapeDtypeStruct((8, 512, 512), jnp.float32,
+                              sharding=NamedSharding(mesh, P(None, "data")))
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+
+    def mlp(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.sum(h**2)
+
+    with _target.resolve("v5e:2x2").tracing():
+        plain = jax.jit(jax.grad(mlp)).lower(ws, x).compile()
+        hooked = jax.jit(jax.grad(residual.with_hooks(mlp, policy=rp.Offload()))).lower(
+            ws, x).compile()
+    assert residual.collectives(hooked) - residual.collectives(plain) == {"all-gather": 1}
+    plain_steps = residual.collectives(plain, per_step=True)
+    assert plain_steps == {"all-gather": 16, "all-reduce": 8}
+    assert plain_steps - residual.collectives(hooked, per_step=True) == {"all-gather": 1}
+    assert not residual.collectives(hooked, per_step=True) - plain_steps
