@@ -131,6 +131,18 @@ def _unrolled_mlp(ws, x):
     return jnp.sum(x.astype(jnp.float32) ** 2)
 
 
+def _scan_plain_and_offloaded(ws, x):
+    """A scanned tanh MLP's gradient compiled for v5e:2x2, plain and under `Offload`."""
+
+    def mlp(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.sum(h**2)
+
+    with _target.resolve("v5e:2x2").tracing():
+        return tuple(jax.jit(jax.grad(f)).lower(ws, x).compile()
+                     for f in (mlp, residual.with_hooks(mlp, policy=rp.Offload())))
+
+
 def _slice(*axes: str) -> Mesh:
     devices = _target.resolve("v5e:2x2").devices
     return Mesh(np.array(devices).reshape(2, 2) if len(axes) == 2 else np.array(devices), axes)
@@ -184,15 +196,7 @@ def test_a_scan_whose_iteration_xla_peels_keeps_plains_collectives_on_a_tpu_slic
     ws = jax.ShapeDtypeStruct((8, 256, 256), jnp.float32,
                               sharding=NamedSharding(mesh, P(None, None, "model")))
     x = jax.ShapeDtypeStruct((512, 256), jnp.float32, sharding=NamedSharding(mesh, P("data")))
-
-    def mlp(ws, x):
-        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
-        return jnp.sum(h**2)
-
-    with _target.resolve("v5e:2x2").tracing():
-        plain = jax.jit(jax.grad(mlp)).lower(ws, x).compile()
-        hooked = jax.jit(jax.grad(residual.with_hooks(mlp, policy=rp.Offload()))).lower(
-            ws, x).compile()
+    plain, hooked = _scan_plain_and_offloaded(ws, x)
     text = hooked.as_text()
     assert "loop_peel" in text and "loop_peel" not in plain.as_text()
     entry = text.index("\nENTRY")
@@ -237,15 +241,7 @@ def test_an_fsdp_scan_under_offload_issues_no_collective_more_per_step_on_a_tpu_
     ws = jax.ShapeDtypeStruct((8, 512, 512), jnp.float32,
                               sharding=NamedSharding(mesh, P(None, "data")))
     x = jax.ShapeDtypeStruct((1024, 512), jnp.float32, sharding=NamedSharding(mesh, P("data")))
-
-    def mlp(ws, x):
-        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
-        return jnp.sum(h**2)
-
-    with _target.resolve("v5e:2x2").tracing():
-        plain = jax.jit(jax.grad(mlp)).lower(ws, x).compile()
-        hooked = jax.jit(jax.grad(residual.with_hooks(mlp, policy=rp.Offload()))).lower(
-            ws, x).compile()
+    plain, hooked = _scan_plain_and_offloaded(ws, x)
     assert residual.collectives(hooked) - residual.collectives(plain) == {"all-gather": 1}
     plain_steps = residual.collectives(plain, per_step=True)
     assert plain_steps == {"all-gather": 16, "all-reduce": 8}
