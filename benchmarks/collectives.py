@@ -1,9 +1,10 @@
 """Collectives and per-device memory of sharded `jit(grad)` programs under each policy,
 compiled for a TPU slice without the device, against plain `jax.grad` in the same run.
 
-For each slice, mesh layout and model: the collectives of plain `jax.grad`'s compiled
-program (count and kind, from `compiled.as_text()`), and for each policy the ones it
-adds or removes and its per-device peak as a ratio to plain's. Needs libtpu
+For each slice, mesh layout and model: the collectives one step of plain `jax.grad`'s
+compiled program issues (count and kind, a loop's once a trip: `residual.collectives(...,
+per_step=True)`), and for each policy the ones it adds or removes and its per-device
+peak as a ratio to plain's. Needs libtpu
 (`pip install 'residual[tpu]'`); nothing runs.
 
     python benchmarks/collectives.py                     # v5e:2x2 and v5e:4x4
@@ -123,10 +124,10 @@ def measure(title: str, model, ws, x, scanned: bool) -> list[str]:
 
     fn, checkpointed = model
     plain = compiled(fn)
-    plain_peak, plain_counts = residual.Memory.of(plain).peak, collectives(plain)
+    plain_peak, plain_counts = residual.Memory.of(plain).peak, _per_step(plain)
     shown = ", ".join(f"{n} {k}" for k, n in sorted(plain_counts.items())) or "none"
     print(f"{title}: plain jax.grad {plain_peak / 2**20:.1f} MiB per device; {shown}")
-    print(f"  {'policy':<24} {'peak vs plain':>13}  collectives vs plain")
+    print(f"  {'policy':<24} {'peak vs plain':>13}  collectives per step vs plain")
     reference = compiled(checkpointed)
     _row("jax.checkpoint nothing", reference, plain_peak, plain_counts)
     added = []
@@ -136,18 +137,22 @@ def measure(title: str, model, ws, x, scanned: bool) -> list[str]:
         program = compiled(residual.with_hooks(fn, policy=policy))
         more = _row(label, program, plain_peak, plain_counts)
         if label in RECOMPUTING:
-            more = collectives(program) - collectives(reference)
+            more = _per_step(program) - _per_step(reference)
         added += [f"{title}: {label} " + _diff(more, Counter())] if more else []
     print()
     return added
 
 
 def _row(label: str, program, plain_peak: int, plain_counts: Counter) -> Counter:
-    counts = collectives(program)
+    counts = _per_step(program)
     more, fewer = counts - plain_counts, plain_counts - counts
     ratio = residual.Memory.of(program).peak / plain_peak
     print(f"  {label:<24} {ratio:>13.2f}  {_diff(more, fewer)}")
     return more
+
+
+def _per_step(program) -> Counter:
+    return collectives(program, per_step=True)
 
 
 def _diff(more: Counter, fewer: Counter) -> str:
