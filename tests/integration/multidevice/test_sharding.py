@@ -118,6 +118,23 @@ def test_byte_scales_keep_to_shards_of_64_columns(bits):
         assert _relative(g, e) < (0.06 if bits == 4 else 0.25)
 
 
+@pytest.mark.parametrize("policy", [rp.Quantize(bits=8), rp.Offload()], ids=repr)
+def test_a_scanned_tensor_parallel_step_issues_plains_collectives_per_step(policy):
+    mesh, params, x = _setup("tensor", 512, width=256)
+    ws = jax.device_put(jnp.stack(params), NamedSharding(mesh, P(None, None, "model")))
+
+    def scanned(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.mean(h**2)
+
+    plain = jax.jit(jax.grad(scanned)).lower(ws, x).compile()
+    hooked = jax.jit(jax.grad(residual.with_hooks(scanned, policy=policy))).lower(ws, x).compile()
+    # The loops run once a layer: each collective in them, once a trip.
+    per_step = collectives(plain, per_step=True)
+    assert per_step == {k: 3 * n for k, n in collectives(plain).items()}
+    assert collectives(hooked, per_step=True) == per_step
+
+
 def test_inside_shard_map():
     mesh, params, x = _setup("data")
     params = [np.asarray(w) for w in params]
