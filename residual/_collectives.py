@@ -85,15 +85,12 @@ _LOOP = re.compile(r"\bwhile\(%([\w.\-]+)\), condition=%([\w.\-]+), body=%([\w.\
 _CALLED = re.compile(r"\b(?:calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 _CALLED_SETS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_COUNTER_TEST = re.compile(
-    r"compare\(%([\w.\-]+), %([\w.\-]+)\), direction=(LT|LE|GT|GE)")
+_COUNTER_TEST = re.compile(r"compare\(%([\w.\-]+), %([\w.\-]+)\), direction=(LT|LE)")
 
 
 def _per_step(text: str) -> Counter[str]:
     """`collectives(text, per_step=True)`."""
-    bodies = _computations(text)
-    entry = next((m.group(1) for line in text.splitlines()
-                  if line.startswith("ENTRY ") and (m := _COMPUTATION.match(line))), None)
+    bodies, entry = _computations(text)
     # Each computation's runs per step, and the computation that controls them: itself
     # where a loop or a branch runs it (and for ENTRY), else the one that inlines it
     # (a fusion, an asynchronous piece), where a chain's pieces run together.
@@ -135,19 +132,22 @@ def _per_step(text: str) -> Counter[str]:
     return counts
 
 
-def _computations(text: str) -> dict[str, list[str]]:
-    """Each computation's instruction lines, by name."""
+def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
+    """Each computation's instruction lines, by name, and the name of ENTRY."""
     bodies: dict[str, list[str]] = {}
+    entry = None
     current: list[str] | None = None
     for line in text.splitlines():
         header = _COMPUTATION.match(line)
         if header:
             current = bodies.setdefault(header.group(1), [])
+            if line.startswith("ENTRY "):
+                entry = header.group(1)
         elif line.startswith("}"):
             current = None
         elif current is not None:
             current.append(line)
-    return bodies
+    return bodies, entry
 
 
 def _trips(line: str, init: str, bodies: dict[str, list[str]], caller: str,
@@ -165,9 +165,7 @@ def _trips(line: str, init: str, bodies: dict[str, list[str]], caller: str,
         if index is None or bound is None:
             continue
         start = _tuple_operand_constant(_definitions(bodies.get(caller, ())), init, index)
-        if start is None:
-            continue
-        if direction in ("LT", "LE"):
+        if start is not None:
             return max(bound - start + (direction == "LE"), 0)
     return 1
 

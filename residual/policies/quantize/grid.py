@@ -124,7 +124,7 @@ def _super_max(step, axis: int, per: int):
     return jnp.max(step.reshape(split), axis=axis + 1)
 
 
-def byte_scales(step, axis: int, size: int, up: bool, span: int = SUPER):
+def byte_scales(step, axis: int, size: int, up: bool, span: int):
     """Steps (one per group, `axis` counting the groups) as bytes under a bfloat16 step
     per super-group of up to `span` elements: `(bytes, super-group steps, steps as
     stored, floored)`, `floored` where a group's step is below the grid's least and
@@ -191,8 +191,7 @@ def fp8_codes(groups, lo, hi, layout, fp8: np.dtype,
 
 
 def int_codes(groups, lo, hi, broken, layout, *, bits: int, scale_dtype: np.dtype,
-              square_grid: bool, salt: int | None,
-              super_span: int = SUPER) -> dict[str, jnp.ndarray]:
+              square_grid: bool, salt: int | None, super_span: int) -> dict[str, jnp.ndarray]:
     """`bits`-bit codes (one per byte), scales and zero-point bytes of the groups of
     `layout` spanning `[lo, hi]` (per group, as `Layout.reduce` gives them); `broken`
     groups hold a NaN or Inf, `square_grid` lets the groups it suits take the square
