@@ -35,6 +35,8 @@ JaxprEqn = _core.JaxprEqn
 # The primitives `residual` recognizes in a jaxpr.
 scan_p = _p.scan_p
 cond_p = _p.cond_p
+# Loops: `Recompute` never runs one again (a scan's body is hooked per iteration instead).
+LOOPS = frozenset({_p.scan_p, _p.while_p})
 remat_p = _p.remat_p  # `jax.checkpoint`
 name_p = _p.name_p  # `jax.ad_checkpoint.checkpoint_name`
 broadcast_in_dim_p = _p.broadcast_in_dim_p

@@ -18,7 +18,7 @@ from .decisions import (
     RoundTrip,
     View,
 )
-from .recompute import RecomputePlan
+from .recompute import RecomputePlan, made_by_loops
 from .residuals import Analysis, InputKind, Residual, value_describer
 from .smallest_store import stored_instead
 
@@ -39,7 +39,13 @@ def decide(
     through its policy (see `RoundTrip`): nothing is derived, re-taken or packed.
     """
     residuals = analysis.residuals
-    policies = [None if r.owned_by_inner else policy_for(r, base) for r in residuals]
+    # A loop's output is never recomputed (that would run the loop again): it is
+    # stored, as its policy's `instead` would store it, else as it is.
+    looped = made_by_loops(analysis.closed.jaxpr)
+    residual_vars = analysis.closed.jaxpr.outvars[analysis.num_outputs:]
+    policies = [None if r.owned_by_inner else
+                _storing(policy_for(r, base)) if v in looped else policy_for(r, base)
+                for r, v in zip(residuals, residual_vars)]
     derived = set() if higher_order else _derivable(residuals, policies)
     constants = {} if higher_order else _constants(residuals, policies)
     # Once anything is packed the program is no longer JAX's own: views of
@@ -62,10 +68,12 @@ def decide(
 
     def keep(var: Any, index: int) -> tuple[Residual, Decision] | None:
         residual = describe(var, index)
-        if not residual.hookable or residual.info.kept_alive:
+        if var not in looped and (not residual.hookable or residual.info.kept_alive):
             return None
         policy = policy_for(residual, base)
-        if recomputes(policy):
+        if var in looped:
+            policy = _storing(policy)
+        elif recomputes(policy):
             return None
         if policy is None:
             return residual, Keep()
@@ -148,6 +156,13 @@ def policy_for(residual: Residual, base: Policy | None) -> Policy | None:
 
 def recomputes(policy: Policy | None) -> bool:
     return policy is not None and policy.recompute
+
+
+def _storing(policy: Policy | None) -> Policy | None:
+    """The policy that stores what `policy` would recompute: its `instead`, else none."""
+    while recomputes(policy):
+        policy = policy.instead
+    return policy
 
 
 def _decide_one(residual: Residual, policy: Policy | None, *, derived: bool, acting: bool,

@@ -33,6 +33,19 @@ class Slice:
     outputs: list  # (residual index, variable)
 
 
+def made_by_loops(jaxpr: jp.Jaxpr) -> set[Any]:
+    """The values of `jaxpr` that a loop computes (a `scan`, a `while`, or a call, a
+    `cond` or a custom derivative that runs one): recomputing one would run the whole
+    loop again, so they are stored where a slice needs them. A scan's body recomputes
+    per iteration instead."""
+    return {v for eqn in jaxpr.eqns if _runs_a_loop(eqn) for v in eqn.outvars}
+
+
+def _runs_a_loop(eqn: jp.JaxprEqn) -> bool:
+    return eqn.primitive in jp.LOOPS or any(
+        _runs_a_loop(inner) for body in jp.sub_jaxprs(eqn) for inner in body.eqns)
+
+
 class RecomputePlan:
     """The slices of the forward that produce the residuals decided `Recompute`.
 

@@ -22,7 +22,9 @@ class Remat(Policy):
     `Remat` for, which are stored for it (and reported by `residual.inspect` after the
     residuals). Each slice runs where the backward first needs it, so keeping
     something per layer recomputes layer by layer; whole-function `Remat()` recomputes
-    from the inputs, like `jax.checkpoint` around the whole function. Gradients equal
+    from the inputs, like `jax.checkpoint` around the whole function, but never runs a
+    loop again: a scan's body recomputes per iteration, and what a scan or a
+    `while` computes is stored where a slice needs it. Gradients equal
     plain `jax.grad`'s when what is kept is stored as it is. Combined with
     `residual.policies.select`, it expresses what `jax.checkpoint` policies do (keep
     `dot_general` outputs, recompute the rest) and more: choices by scope, size, dtype

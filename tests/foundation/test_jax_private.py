@@ -68,6 +68,16 @@ def test_scan_parts_split_operands_and_read_the_body():
     assert jp.jaxpr_as_fun(scan.body)(2.0, 1.0, 5.0)[0] == 7.0
 
 
+def test_loops_name_scan_and_while():
+    def f(x):
+        y = lax.fori_loop(0, lax.convert_element_type(x, jnp.int32), lambda i, c: c * 2.0, x)
+        return lax.scan(lambda c, _: (c + 1.0, None), y, None, length=3)[0]
+
+    closed = jax.make_jaxpr(f)(1.0)
+    assert [e.primitive.name for e in closed.jaxpr.eqns if e.primitive in jp.LOOPS] == [
+        "while", "scan"]
+
+
 def test_cond_call_and_checkpoint_bodies():
     def f(x):
         y = lax.cond(x > 0, jnp.sin, jnp.cos, x)

@@ -251,6 +251,25 @@ def test_remat_region_recomputes_from_its_boundary():
     assert tree_allclose(second(fn)(w, x), second(model)(w, x))
 
 
+@pytest.mark.parametrize("wrap", ["scan", "jit around the scan"])
+def test_remat_stores_what_a_loop_computes_instead_of_running_the_loop_again(wrap):
+    # Each layer of the scan is recomputed in its own iteration of the backward's loop;
+    # the loss's `2 * h` is recomputed from the scan's output `h`, which is stored, not
+    # by running every layer a second time (a third loop, and on an FSDP mesh each
+    # layer's weights gathered again).
+    ws, x = mlp_params(layers=4, width=32, batch=16)
+    model = scan_mlp if wrap == "scan" else lambda ws, x: jax.jit(scan_mlp)(ws, x)
+    plain = jax.jit(jax.grad(model)).lower(ws, x).as_text()
+    hooked = residual.with_hooks(model, policy=rp.Remat())
+    text = jax.jit(jax.grad(hooked)).lower(ws, x).as_text()
+    assert text.count("stablehlo.while") == plain.count("stablehlo.while") == 2
+    report = residual.inspect(model, ws, x, policy=rp.Remat(), compiled=False)
+    outside = [(r.how, r.shape) for r in report.rows if r.iterations == 1]
+    assert outside == [("kept", (4, 32, 32)), ("recomputed", (16, 32)), ("kept", (16, 32))], report
+    assert tree_allclose(jax.grad(hooked, argnums=(0, 1))(ws, x),
+                         jax.grad(model, argnums=(0, 1))(ws, x), rtol=1e-5, atol=1e-7)
+
+
 def test_remat_with_kept_matmuls_under_vmap_scan_and_second_derivatives():
     ws, x = mlp_params(layers=3, width=16, batch=8)
     hooked = residual.with_hooks(_gated_mlp, policy=KEEP_DOTS)
