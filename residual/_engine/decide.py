@@ -43,9 +43,8 @@ def decide(
     # stored, as its policy's `instead` would store it, else as it is.
     looped = made_by_loops(analysis.closed.jaxpr)
     residual_vars = analysis.closed.jaxpr.outvars[analysis.num_outputs:]
-    policies = [None if r.owned_by_inner else
-                _storing(policy_for(r, base)) if v in looped else policy_for(r, base)
-                for r, v in zip(residuals, residual_vars)]
+    policies = [None if r.owned_by_inner else policy_for(r, base) for r in residuals]
+    policies = [_storing(p) if v in looped else p for p, v in zip(policies, residual_vars)]
     derived = set() if higher_order else _derivable(residuals, policies)
     constants = {} if higher_order else _constants(residuals, policies)
     # Once anything is packed the program is no longer JAX's own: views of
