@@ -134,7 +134,10 @@ def _run_forward(analysis: Analysis, decisions: Sequence[Decision],
         values = _interpret(analysis.closed, stores.inputs, early, stores)
     else:
         values = jp.jaxpr_as_fun(analysis.closed)(*stores.inputs)
-    return values[: analysis.num_outputs], values[analysis.num_outputs :]
+    # An output the trace made a constant (`jnp.array(False)` returned as an aux value)
+    # comes from the jaxpr as a literal, a Python or typed scalar: an array of its type.
+    outputs = [as_array(v) for v in values[: analysis.num_outputs]]
+    return outputs, values[analysis.num_outputs :]
 
 
 def _interpret(closed: jp.ClosedJaxpr, xs: Sequence[Any],

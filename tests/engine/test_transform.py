@@ -261,6 +261,31 @@ def test_value_and_grad_with_aux():
     assert tree_equal((v1, a1["mean"], g1), (v2, a2["mean"], g2)) and a1["label"] == "aux"
 
 
+@pytest.mark.parametrize("make", [lambda: jnp.array(False), lambda: jnp.array(3),
+                                  lambda: jnp.array(1.5)], ids=["bool", "int", "float"])
+@pytest.mark.parametrize("policy", [residual.policies.Identity(),
+                                    residual.policies.Quantize(bits=8, min_bytes=0)], ids=repr)
+def test_outputs_the_trace_made_constants_come_back_as_arrays(make, policy):
+    # A constant made inside the function is a literal of its jaxpr (equinox's
+    # BatchNorm returns one in its state), in the outputs and in a scan body's.
+    def f(x):
+        return jnp.sum(jnp.tanh(x) ** 2), make()
+
+    def scanned(x):
+        h, ys = lax.scan(lambda h, _: (jnp.tanh(h), make()), x, None, length=2)
+        return jnp.sum(h**2), ys
+
+    for fn in (f, scanned):
+        want = jax.value_and_grad(fn, has_aux=True)(X)
+        for run in (jax.value_and_grad, lambda g, **kw: jax.jit(jax.value_and_grad(g, **kw))):
+            (value, aux), grad = run(residual.with_hooks(fn, policy=policy), has_aux=True)(X)
+            assert isinstance(aux, jax.Array) and jax.typeof(aux) == jax.typeof(want[0][1])
+            assert tree_equal(aux, want[0][1])
+            assert float(value) == pytest.approx(float(want[0][0]), rel=1e-6)
+            assert tree_allclose(grad, want[1], rtol=0 if policy.lossless else 2e-2,
+                                 atol=0 if policy.lossless else 1e-2)
+
+
 def test_vjp_called_twice_unpacks_twice_and_agrees():
     calls = []
     g = residual.with_hooks(_f, identity, lambda p: calls.append(1) or p)

@@ -382,6 +382,37 @@ def test_equinox_transformer_matches_plain_grad():
     check_against_plain(lambda p, x: loss(eqx.combine(p, static), x), params, x)
 
 
+# equinox: a convolution and a BatchNorm keeping moving averages (its default mode), whose
+# state update returns a constant the trace makes a literal.
+
+
+class EqxConvNorm(eqx.Module):
+    conv: eqx.nn.Conv2d
+    norm: eqx.nn.BatchNorm
+
+    def __init__(self, key):
+        self.conv = eqx.nn.Conv2d(3, 8, 3, padding=1, key=key)
+        self.norm = eqx.nn.BatchNorm(8, axis_name="batch", mode="ema")
+
+    def __call__(self, x, state):
+        h, state = self.norm(jax.nn.relu(self.conv(x)), state)
+        return jnp.tanh(h), state
+
+
+def test_equinox_batch_norm_state_matches_plain_grad():
+    model, state = eqx.nn.make_with_state(EqxConvNorm)(jax.random.PRNGKey(0))
+    params, static = eqx.partition(model, eqx.is_array)
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 3, 8, 8))
+
+    def loss(params, state, x):
+        batched = jax.vmap(eqx.combine(params, static), axis_name="batch",
+                           in_axes=(0, None), out_axes=(0, None))
+        y, state = batched(x, state)
+        return jnp.mean(y**2), state
+
+    check_against_plain(loss, params, state, x)
+
+
 # keras 3 with the JAX backend: `stateless_call` is a pure function of the variables.
 
 
