@@ -96,6 +96,28 @@ def test_gradcheck_passes_good_hooks_and_names_the_worst_residual_of_bad_ones():
                            raise_on_failure=True)
 
 
+def test_gradcheck_judges_each_argument_whole_not_a_bias_whose_gradient_is_noise():
+    # A bias before a batch norm has a true gradient of zero: rounding noise, which
+    # no two programs share. The parameters, one argument, agree to rounding.
+    def loss(params, x):
+        h = x @ params["w1"] + params["b1"]
+        h = (h - h.mean(0)) / jnp.sqrt(h.var(0) + 1e-5)
+        return jnp.mean((jnp.tanh(h) @ params["w2"]) ** 2)
+
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {"w1": jax.random.normal(k1, (32, 64)) / 6, "b1": jnp.full(64, 0.1),
+              "w2": jax.random.normal(k2, (64, 8)) / 8}
+    x = jax.random.normal(k3, (16, 32))
+    for policy in (rp.Identity(), rp.Remat(), rp.Quantize(bits=8, min_bytes=0)):
+        result = residual.gradcheck(loss, params, x, policy=policy)
+        assert result.ok, result
+    # One argument's error is still its own: doubling one of two arguments' gradients
+    # (hooks that double the residual `x` feeds into `w`'s gradient) fails.
+    bad = residual.gradcheck(lambda w, v: jnp.sum(jnp.tanh(v @ w)), params["w1"], x,
+                             pack=lambda r: r * 2, unpack=lambda p: p)
+    assert not bad.ok
+
+
 def test_gradcheck_uses_finite_differences_in_float64():
     with jax.enable_x64(True):
         x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float64)
