@@ -13,7 +13,14 @@ import numpy as np
 from .._format import precise_size
 from .._info import dtype_name
 from .._target import Target, resolve
-from .checks import Budget, check_actions, check_budget, check_error, check_loss
+from .checks import (
+    Budget,
+    check_actions,
+    check_budget,
+    check_differentiable,
+    check_error,
+    check_loss,
+)
 from .costs import (
     CostModel,
     group_residuals,
@@ -110,8 +117,10 @@ def plan(
         `memory`, `plain_memory`, `grad_error` and `predicted_step_overhead`.
 
     Raises:
-        TypeError: `loss` is not callable, or `budget`, `max_grad_error`, `actions`
-            has the wrong type.
+        TypeError: `loss` is not callable, `budget`, `max_grad_error`, `actions` or
+            `argnums` has the wrong type, or an argument `argnums` names holds a leaf
+            `jax.grad` cannot differentiate (a model object with integer state or
+            functions: pass its float arrays alone, the message says how).
         ValueError: a value out of range, or no plan reaches `budget`; the message
             gives the least memory that the allowed actions reached.
 
@@ -135,6 +144,7 @@ def plan(
     """
     start = time.perf_counter()
     check_loss(loss, example_args)
+    check_differentiable(example_args, argnums)
     max_grad_error = check_error(max_grad_error)
     where = resolve(target)
     chosen = check_actions(actions, where)

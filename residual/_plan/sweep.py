@@ -11,7 +11,7 @@ from typing import Any
 
 from .._format import precise_size
 from .._target import resolve
-from .checks import check_actions, check_budget, check_error, check_loss
+from .checks import check_actions, check_budget, check_differentiable, check_error, check_loss
 from .planner import Planner
 from .timing import TIME_TIE, preferred
 from .value import Plan
@@ -57,6 +57,7 @@ def plan_sweep(
     """
     start = time.perf_counter()
     check_loss(loss, example_args)
+    check_differentiable(example_args, argnums)
     max_grad_error = check_error(max_grad_error)
     where = resolve(target)
     chosen = check_actions(actions, where)

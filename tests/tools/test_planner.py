@@ -7,10 +7,12 @@ import functools
 import itertools
 import json
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import residual
 from residual._engine.record import recording
@@ -354,6 +356,8 @@ def test_shapes_only_use_nominal_errors():
         ({"max_grad_error": "1%"}, TypeError, r"`max_grad_error` must be a number"),
         ({"actions": "int8"}, TypeError, r"`actions=\['int8'\]`"),
         ({"actions": ["zip"]}, ValueError, r"actions from .* but got 'zip'"),
+        ({"argnums": 1.5}, TypeError, r"`argnums` must be an int or a sequence of ints"),
+        ({"argnums": (0, 2)}, ValueError, r"names argument 2, but `loss` got 2 example"),
     ],
 )
 def test_bad_arguments_raise_early(kwargs, error, match):
@@ -368,6 +372,21 @@ def test_bad_loss_and_missing_arguments():
         residual.plan(scan_mlp)
     with pytest.raises(TypeError, match=r"`budgets` must be a non-empty list"):
         residual.plan_sweep(scan_mlp, jnp.ones((2, 4, 4)), jnp.ones((2, 4)), budgets=0.5)
+
+
+def test_a_model_holding_what_grad_cannot_take_is_refused_with_the_fix():
+    # A flax NNX module with dropout holds its random-number state (uint32), an equinox
+    # MLP its activation function: `jax.grad` takes neither.
+    model = nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0)),
+                           nnx.Dropout(0.1, rngs=nnx.Rngs(dropout=1)))
+    with pytest.raises(TypeError, match=r"argument 0 .* leaf .*rngs.* uint32 array.*nnx\.split"):
+        residual.plan(lambda m, x: jnp.sum(m(x) ** 2), model, jnp.ones((2, 4)))
+    mlp = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
+    with pytest.raises(TypeError, match=r"leaf .*activation.* a \w+.*eqx\.partition"):
+        residual.plan_sweep(lambda m, x: jnp.sum(jax.vmap(m)(x) ** 2), mlp, jnp.ones((2, 4)),
+                            budgets=[None])
+    with pytest.raises(TypeError, match=r"argument 1 .* int32 array"):
+        residual.plan(lambda w, n: jnp.sum(w * n), jnp.ones(3), jnp.arange(3), argnums=1)
 
 
 @pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="CPU has no separate host")
