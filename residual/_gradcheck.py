@@ -16,7 +16,7 @@ from ._engine.record import recording
 from ._engine.transform import with_hooks
 from ._info import ResidualInfo
 from ._inspect.analysis import nothing_packed
-from ._measure import backward, worst_argument_error
+from ._measure import backward, check_array_arguments, worst_argument_error
 from ._memory import Memory
 from ._policy import FunctionHooks, Policy, as_policy
 from ._target import resolve
@@ -139,6 +139,7 @@ def gradcheck(
         >>> result.residuals[0].max_rel_error < 0.01
         True
     """
+    check_array_arguments(args, "gradcheck")
     inner = as_policy(pack, unpack, policy, caller="gradcheck")
     if inner is None:
         raise TypeError("`gradcheck` needs `policy=` or `pack` and `unpack` to check.")

@@ -28,6 +28,27 @@ def backward(fn: Callable) -> Callable:
     return run
 
 
+# Leaves `backward` runs with: arrays (or their shapes), keys and scalars.
+_ARRAY_LEAVES = (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, bool, int, float,
+                 complex)
+
+
+def check_array_arguments(args: tuple, tool: str) -> None:
+    """Refuses, naming the leaf and the fix, a positional argument holding what
+    `backward` cannot differentiate (a model's functions, strings)."""
+    for i, arg in enumerate(args):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            if not isinstance(leaf, _ARRAY_LEAVES):
+                raise TypeError(
+                    f"`{tool}` differentiates `f` with respect to every positional "
+                    f"argument, but argument {i} holds "
+                    f"{jax.tree_util.keystr(path) or 'itself'}, a {type(leaf).__name__}, "
+                    "not an array. Pass arrays alone and close over the rest: with "
+                    "equinox `params, static = eqx.partition(model, eqx.is_array)` and "
+                    "`lambda p, *a: f(eqx.combine(p, static), *a)`."
+                )
+
+
 def worst_argument_error(got: Sequence[Any], want: Sequence[Any]) -> float:
     """max over arguments of ||got - want|| / ||want||, each argument's gradients (a
     tuple of one pytree per argument) taken over its floating-point leaves together.

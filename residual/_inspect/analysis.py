@@ -17,7 +17,7 @@ from .._engine.residuals import producing_equations
 from .._engine.transform import with_hooks
 from .._format import size
 from .._info import dtype_name
-from .._measure import backward
+from .._measure import backward, check_array_arguments
 from .._policy import Policy
 from .._source import file_label, is_library
 from .._target import resolve
@@ -79,6 +79,7 @@ def inspect(
             "`inspect(..., peak=True)` reads the compiled program's peak, but "
             "`compiled=False` asks not to compile it: drop `compiled=False`."
         )
+    check_array_arguments(args, "inspect")
     fn = functools.partial(f, **kwargs) if kwargs else f
     probe = policy if policy is not None else Identity()
     # The rows' decisions are made for the target, as in the program compiled for it.

@@ -6,6 +6,7 @@ import contextlib
 import io
 import re
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,6 +117,21 @@ def test_gradcheck_judges_each_argument_whole_not_a_bias_whose_gradient_is_noise
     bad = residual.gradcheck(lambda w, v: jnp.sum(jnp.tanh(v @ w)), params["w1"], x,
                              pack=lambda r: r * 2, unpack=lambda p: p)
     assert not bad.ok
+
+
+def test_a_model_holding_functions_is_refused_with_the_fix():
+    mlp = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
+    x = jnp.ones((2, 4))
+
+    def loss(m, x):
+        return jnp.sum(jax.vmap(m)(x) ** 2)
+
+    for tool in (residual.inspect, residual.gradcheck):
+        with pytest.raises(TypeError, match=r"argument 0 holds .*activation.*eqx\.partition"):
+            tool(loss, mlp, x, policy=rp.Identity())
+    params, static = eqx.partition(mlp, eqx.is_array)
+    assert residual.gradcheck(lambda p, x: loss(eqx.combine(p, static), x), params, x,
+                              policy=rp.Identity()).ok
 
 
 def test_gradcheck_uses_finite_differences_in_float64():
