@@ -50,13 +50,15 @@ def hooked_call(
     *,
     scope_prefix: Sequence[str] = (),
     iterations: int | None = None,
+    in_region: bool = False,
 ) -> list[Any]:
     """`fun(*inputs)` (a flat list of arrays in, a flat list out), with hooked residuals.
 
     `base` applies to residuals produced outside any `saved_tensors_hooks` region
     inside `fun`; inside one, the innermost region's hooks apply. `iterations` is the
     number of times the residuals are stored when `fun` is a scan body (the product
-    of the lengths of the scans around it), `None` outside scans.
+    of the lengths of the scans around it), `None` outside scans. `in_region`: `base`
+    is the policy of a region around `fun` (a scan's body), for the records.
     """
     in_scan = iterations is not None
     # The forward's handoff to the backward, which JAX calls with the stored arrays only.
@@ -92,7 +94,7 @@ def hooked_call(
         for value, residual, decision in zip(residuals, analysis.residuals, decisions):
             if residual.info.index not in stores.slots:
                 decision.store(stores, residual, value)
-        _record_all(analysis, decisions, recompute, stores, iterations)
+        _record_all(analysis, decisions, recompute, stores, iterations, in_region)
         if recompute is not None:
             for j in recompute.needed_inputs:
                 stores.input(j, input_kinds[j].kept_alive)
@@ -161,7 +163,7 @@ def _interpret(closed: jp.ClosedJaxpr, xs: Sequence[Any],
 
 def _record_all(analysis: Analysis, decisions: Sequence[Decision],
                 recompute: RecomputePlan | None, stores: Stores,
-                iterations: int | None) -> None:
+                iterations: int | None, in_region: bool) -> None:
     """Reports every residual this call owns, then the values stored for recomputation."""
     in_scan = iterations is not None
     entries = [(r, d) for r, d in zip(analysis.residuals, decisions) if d.reported
@@ -172,7 +174,8 @@ def _record_all(analysis: Analysis, decisions: Sequence[Decision],
     for residual, decision in entries:
         info = residual.info
         nbytes = decision.nbytes(stores.storage, stores.slots.get(info.index), info)
-        record(Record(info, decision.policy, nbytes, iterations or 1, decision, analysis))
+        record(Record(info, decision.policy, nbytes, iterations or 1, decision, analysis,
+                      in_region=in_region or bool(residual.region_policies)))
 
 
 def _run_backward(restores: Restores, cts: list, *, ordered: bool) -> list:

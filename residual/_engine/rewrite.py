@@ -96,16 +96,18 @@ def _scan(eqn: jp.JaxprEqn, invals: list[Any], base: Policy | None,
     kinds = [KEPT] * n_consts + [PER_ITERATION] * n_carry + [KEPT] * len(xs)
     body_base = _region_policy(scopes, base)
     plain_scopes = tuple(s for s in scopes if not is_marker(s))
+    # The regions around the scan stay around scans in its body, whose base they chose.
+    regions = tuple(s for s in scopes if is_marker(s))
 
     body_iterations = (iterations or 1) * scan.length
 
     def body_fun(*flat):
-        return interpret(body.jaxpr, body.consts, flat, body_base, (), body_iterations)
+        return interpret(body.jaxpr, body.consts, flat, body_base, regions, body_iterations)
 
     def step(carry, x):
         outs = hooked_call(
             body_fun, [*consts, *carry, *x], kinds, body_base,
-            scope_prefix=plain_scopes, iterations=body_iterations,
+            scope_prefix=plain_scopes, iterations=body_iterations, in_region=bool(regions),
         )
         return outs[:n_carry], outs[n_carry:]
 

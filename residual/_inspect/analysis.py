@@ -118,11 +118,14 @@ def nothing_packed(records: list[Record], policy: Policy) -> str | None:
             reason = "not floating point (indices, masks: never approximated)"
         elif info.kept_alive:
             reason = "alive anyway (inputs, weights: a packed copy would add memory)"
+        elif r.in_region:
+            reason = ("decided by a `saved_tensors_hooks` region in the function, not by "
+                      "this policy")
         elif isinstance(min_bytes, int) and info.nbytes < min_bytes:
             reason = f"smaller than its `min_bytes={min_bytes}`"
             small.append(info.nbytes)
         else:
-            reason = "left as it is by the policy itself"
+            reason = "left unpacked by the policy itself"
         reasons[reason] = reasons.get(reason, 0) + 1
     parts = [f"{n} {'is' if n == 1 else 'are'} {reason}" for reason, n in reasons.items()]
     text = f"{name} packed nothing: of {len(records)} residuals, {', '.join(parts)}."

@@ -286,3 +286,18 @@ def test_inspect_and_gradcheck_say_why_nothing_was_packed():
     assert "packed nothing" in repr(check) and "min_bytes=0" in repr(check)
     packs = residual.gradcheck(scan_mlp, ws, x, policy=rp.Quantize(bits=8, min_bytes=0))
     assert "packed nothing" not in repr(packs)
+
+
+def test_nothing_packed_names_the_region_that_decided():
+    ws, x = mlp_params(layers=2, width=32, batch=8)
+
+    def loss(ws, x):  # the scan's body and the loss after it, in the region
+        with residual.saved_tensors_hooks(policy=rp.Identity()):
+            return scan_mlp(ws, x)
+
+    report = residual.inspect(loss, ws, x, policy=rp.Quantize(bits=8, min_bytes=0),
+                              compiled=False)
+    (note,) = report.notes
+    assert re.search(r"of \d+ residuals, .*\d+ are decided by a `saved_tensors_hooks` "
+                     r"region in the function, not by this policy", note), note
+    assert "by the policy itself" not in note
