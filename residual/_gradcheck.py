@@ -100,7 +100,8 @@ def gradcheck(
     PyTorch's docs tell users to test saved-tensor hooks with `gradcheck`; this is
     the same in one call. It computes the gradient of `f` (or its VJP with a
     cotangent of ones, for non-scalar outputs) with respect to every positional
-    argument, with and without the hooks, and compares them; with float64 inputs it
+    argument, with and without the hooks, and compares them, each argument's gradient
+    as a whole (pass apart what should be judged apart); with float64 inputs it
     also checks the hooked gradient against finite differences
     (`jax.test_util.check_grads`). It runs `unpack(pack(x))` on each residual
     during the hooked forward pass and reports the worst errors. With `memory=True`
@@ -127,6 +128,8 @@ def gradcheck(
 
     Raises:
         AssertionError: with `raise_on_failure=True`, when the check fails.
+        TypeError: an argument holds something other than arrays (a model's functions:
+            pass its arrays alone), or neither `policy` nor `pack` and `unpack`.
 
     Examples:
         >>> import jax.numpy as jnp, residual

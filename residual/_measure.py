@@ -1,7 +1,8 @@
 """What the tools run a function by, and how they compare gradients.
 
 `inspect` and `gradcheck` run a user's function forward and backward with a cotangent
-of ones (`backward`); `gradcheck` and the planner compare gradients by relative error,
+of ones (`backward`), on arguments of arrays (`check_array_arguments`); `gradcheck`
+and the planner compare gradients by relative error,
 in two readings for two questions: whether any argument's gradient is off
 (`worst_argument_error`, gradcheck's), and how far the whole gradient moves
 (`whole_gradient_error`, the figure the planner's bound on error is about).
@@ -28,25 +29,23 @@ def backward(fn: Callable) -> Callable:
     return run
 
 
-# Leaves `backward` runs with: arrays (or their shapes), keys and scalars.
-_ARRAY_LEAVES = (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, bool, int, float,
-                 complex)
-
-
 def check_array_arguments(args: tuple, tool: str) -> None:
-    """Refuses, naming the leaf and the fix, a positional argument holding what
-    `backward` cannot differentiate (a model's functions, strings)."""
+    """Refuses, naming the leaf and the fix, a positional argument holding what JAX
+    cannot trace: a leaf that is neither a scalar nor has a shape and a dtype (an
+    array, a `jax.ShapeDtypeStruct`), such as a model's activation function."""
     for i, arg in enumerate(args):
         for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-            if not isinstance(leaf, _ARRAY_LEAVES):
-                raise TypeError(
-                    f"`{tool}` differentiates `f` with respect to every positional "
-                    f"argument, but argument {i} holds "
-                    f"{jax.tree_util.keystr(path) or 'itself'}, a {type(leaf).__name__}, "
-                    "not an array. Pass arrays alone and close over the rest: with "
-                    "equinox `params, static = eqx.partition(model, eqx.is_array)` and "
-                    "`lambda p, *a: f(eqx.combine(p, static), *a)`."
-                )
+            if isinstance(leaf, bool | int | float | complex) or (
+                    hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+                continue
+            where = (f"holds {jax.tree_util.keystr(path)}, a" if path else "is a")
+            raise TypeError(
+                f"`{tool}` differentiates `f` with respect to every positional "
+                f"argument, but argument {i} {where} {type(leaf).__name__}, not an "
+                "array. Pass arrays alone and close over the rest: with equinox "
+                "`params, static = eqx.partition(model, eqx.is_array)` and "
+                "`lambda p, *a: f(eqx.combine(p, static), *a)`."
+            )
 
 
 def worst_argument_error(got: Sequence[Any], want: Sequence[Any]) -> float:

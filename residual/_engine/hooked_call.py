@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from .. import _jax_private as jp
 from .._policy import FORWARD_WRAPPERS, Policy
+from .._scope import innermost_policy
 from .decide import decide, stores_as_jax_does
 from .decisions import Decision, as_array
 from .recompute import RecomputePlan
@@ -94,7 +95,8 @@ def hooked_call(
         for value, residual, decision in zip(residuals, analysis.residuals, decisions):
             if residual.info.index not in stores.slots:
                 decision.store(stores, residual, value)
-        _record_all(analysis, decisions, recompute, stores, iterations, in_region)
+        _record_all(analysis, decisions, recompute, stores, iterations,
+                    base if in_region else None)
         if recompute is not None:
             for j in recompute.needed_inputs:
                 stores.input(j, input_kinds[j].kept_alive)
@@ -163,8 +165,9 @@ def _interpret(closed: jp.ClosedJaxpr, xs: Sequence[Any],
 
 def _record_all(analysis: Analysis, decisions: Sequence[Decision],
                 recompute: RecomputePlan | None, stores: Stores,
-                iterations: int | None, in_region: bool) -> None:
-    """Reports every residual this call owns, then the values stored for recomputation."""
+                iterations: int | None, region: Policy | None) -> None:
+    """Reports every residual this call owns, then the values stored for recomputation;
+    `region`: the policy of a region around the call, which chose its base."""
     in_scan = iterations is not None
     entries = [(r, d) for r, d in zip(analysis.residuals, decisions) if d.reported
                # A scan body's sliced or loop-invariant operand, stored as it is, is
@@ -175,7 +178,7 @@ def _record_all(analysis: Analysis, decisions: Sequence[Decision],
         info = residual.info
         nbytes = decision.nbytes(stores.storage, stores.slots.get(info.index), info)
         record(Record(info, decision.policy, nbytes, iterations or 1, decision, analysis,
-                      in_region=in_region or bool(residual.region_policies)))
+                      region=innermost_policy(residual.region_policies, region)))
 
 
 def _run_backward(restores: Restores, cts: list, *, ordered: bool) -> list:

@@ -31,9 +31,9 @@ class Record:
         plan: how the hooked call keeps it (a `decisions.Decision`); `how` names it.
         call: the traced call that stored it, shared by every record of that call (a
             scan body, a nested `with_hooks`): residual indices count within a call.
-        in_region: whether a `saved_tensors_hooks` (or `disable_saved_tensors_hooks`)
-            region around the code that made it chose its policy, rather than the
-            policy given to `with_hooks`.
+        region: the policy of the `saved_tensors_hooks` region around the code that
+            made it, which chose its fate rather than the policy given to
+            `with_hooks`; `None` outside regions.
     """
 
     info: ResidualInfo
@@ -42,7 +42,7 @@ class Record:
     iterations: int
     plan: Any = None
     call: Any = None
-    in_region: bool = False
+    region: Policy | None = None
 
     @property
     def how(self) -> str:

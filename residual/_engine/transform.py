@@ -22,6 +22,7 @@ from .._scope import (
     saved_tensors_hooks,
 )
 from .._source import PACKAGE_DIR
+from .decisions import as_array
 from .hooked_call import hooked_call
 from .nnx import call_with_state_updates
 from .residuals import KEPT
@@ -173,7 +174,7 @@ def _hooked_outputs(closed: Any, traced_leaves: list, base: Policy | None) -> li
     n_consts = len(closed.consts)
 
     if base is None and not has_markers(closed.jaxpr):
-        return jp.jaxpr_as_fun(closed)(*traced_leaves)
+        return [as_array(v) for v in jp.jaxpr_as_fun(closed)(*traced_leaves)]
 
     def fun(*xs):
         return interpret(closed.jaxpr, xs[:n_consts], xs[n_consts:], base)

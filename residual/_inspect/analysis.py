@@ -64,6 +64,11 @@ def inspect(
         A `Report`: `print(report)` for a text table, `report` in Jupyter for HTML,
         `report.plot()` for a figure, `report.rows` and `report.totals` for data.
 
+    Raises:
+        TypeError: an argument holds something other than arrays (a model's functions:
+            pass its arrays alone).
+        ValueError: `peak=True` with `compiled=False`.
+
     Examples:
         >>> import jax.numpy as jnp, residual
         >>> from residual import policies as rp
@@ -118,7 +123,7 @@ def nothing_packed(records: list[Record], policy: Policy) -> str | None:
             reason = "not floating point (indices, masks: never approximated)"
         elif info.kept_alive:
             reason = "alive anyway (inputs, weights: a packed copy would add memory)"
-        elif r.in_region:
+        elif r.region is not None and r.region != policy:
             reason = ("decided by a `saved_tensors_hooks` region in the function, not by "
                       "this policy")
         elif isinstance(min_bytes, int) and info.nbytes < min_bytes:

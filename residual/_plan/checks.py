@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -28,19 +29,19 @@ def check_loss(loss: Any, example_args: tuple) -> None:
         )
 
 
-def check_differentiable(example_args: tuple, argnums: Any) -> None:
-    """`argnums` name example arguments whose every leaf `jax.grad` takes: a float array
-    (or its `jax.ShapeDtypeStruct`). A model object holding anything else (flax NNX's
-    random-number state, equinox's activation functions) is refused here, where the
-    fix can be named, rather than deep in `jax.grad`."""
-    numbers = (argnums,) if isinstance(argnums, int | np.integer) else argnums
-    if (isinstance(numbers, bool) or not isinstance(numbers, Sequence)
-            or not all(isinstance(i, int | np.integer) and not isinstance(i, bool)
-                       for i in numbers)):
+def check_differentiable(example_args: tuple, argnums: Any, tool: str) -> None:
+    """`argnums` name example arguments whose every leaf `jax.grad` takes: a float or
+    complex array (or its `jax.ShapeDtypeStruct`). A model object holding anything
+    else (flax NNX's random-number state, equinox's activation functions) is refused
+    here, where the fix can be named, rather than deep in `jax.grad`."""
+    try:
+        numbers = ([operator.index(argnums)] if not isinstance(argnums, Iterable)
+                   else [operator.index(i) for i in argnums])
+    except TypeError:
         raise TypeError(
             f"`argnums` must be an int or a sequence of ints, as for `jax.grad`, but got "
             f"{argnums!r}."
-        )
+        ) from None
     for i in numbers:
         if not -len(example_args) <= i < len(example_args):
             raise ValueError(
@@ -49,20 +50,21 @@ def check_differentiable(example_args: tuple, argnums: Any) -> None:
             )
         for path, leaf in jax.tree_util.tree_flatten_with_path(example_args[i])[0]:
             dtype = getattr(leaf, "dtype", None)
-            if isinstance(leaf, float) or (
+            if isinstance(leaf, float | complex) or (
                     dtype is not None and hasattr(leaf, "shape")
                     and jnp.issubdtype(dtype, jnp.inexact)):
                 continue
-            what = (f"a {dtype} array" if dtype is not None else f"a {type(leaf).__name__}")
+            what = (f"an array of dtype {dtype}" if dtype is not None
+                    else f"a {type(leaf).__name__}")
+            where = f"whose leaf {jax.tree_util.keystr(path)} is" if path else "which is"
             raise TypeError(
-                f"`plan` differentiates `loss` with respect to argument {i} "
-                f"(`argnums`), whose leaf {jax.tree_util.keystr(path) or '(the argument)'} "
-                f"is {what}, which `jax.grad` cannot differentiate. Pass the trained "
-                "floats alone as that argument and the rest as another: with flax NNX "
-                "`graphdef, params, rest = nnx.split(model, nnx.Param, ...)` and a loss "
-                "of `nnx.merge(graphdef, params, rest)`; with equinox `params, static = "
-                "eqx.partition(model, eqx.is_inexact_array)` and a loss of "
-                "`eqx.combine(params, static)`."
+                f"`{tool}` differentiates `loss` with respect to argument {i} "
+                f"(`argnums`), {where} {what}, which `jax.grad` cannot differentiate. "
+                "Pass the trained floats alone as that argument and the rest as another: "
+                "with flax NNX `graphdef, params, rest = nnx.split(model, nnx.Param, ...)` "
+                "and a loss of `nnx.merge(graphdef, params, rest)`; with equinox "
+                "`params, static = eqx.partition(model, eqx.is_inexact_array)` and a loss "
+                "of `eqx.combine(params, static)`."
             )
 
 

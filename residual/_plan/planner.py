@@ -144,7 +144,7 @@ def plan(
     """
     start = time.perf_counter()
     check_loss(loss, example_args)
-    check_differentiable(example_args, argnums)
+    check_differentiable(example_args, argnums, "plan")
     max_grad_error = check_error(max_grad_error)
     where = resolve(target)
     chosen = check_actions(actions, where)

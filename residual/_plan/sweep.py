@@ -57,7 +57,7 @@ def plan_sweep(
     """
     start = time.perf_counter()
     check_loss(loss, example_args)
-    check_differentiable(example_args, argnums)
+    check_differentiable(example_args, argnums, "plan_sweep")
     max_grad_error = check_error(max_grad_error)
     where = resolve(target)
     chosen = check_actions(actions, where)

@@ -112,11 +112,15 @@ def test_gradcheck_judges_each_argument_whole_not_a_bias_whose_gradient_is_noise
     for policy in (rp.Identity(), rp.Remat(), rp.Quantize(bits=8, min_bytes=0)):
         result = residual.gradcheck(loss, params, x, policy=policy)
         assert result.ok, result
-    # One argument's error is still its own: doubling one of two arguments' gradients
-    # (hooks that double the residual `x` feeds into `w`'s gradient) fails.
-    bad = residual.gradcheck(lambda w, v: jnp.sum(jnp.tanh(v @ w)), params["w1"], x,
-                             pack=lambda r: r * 2, unpack=lambda p: p)
-    assert not bad.ok
+    # Each argument is still judged on its own: hooks that spoil only the gradient of
+    # a small argument (doubling the residual `cos(b)`), next to a large one, fail.
+    def two(w, b):
+        return 1e3 * jnp.sum(jnp.tanh(x @ w)) + jnp.sum(jnp.sin(b))
+
+    b = jnp.linspace(0.0, 1.0, 7)  # the only residual of 7 elements
+    spoil = residual.gradcheck(two, params["w1"], b, unpack=lambda p: p,
+                               pack=lambda r: r * 2 if r.shape == b.shape else r)
+    assert not spoil.ok and spoil.grad_rel_error == pytest.approx(1.0, rel=1e-5)
 
 
 def test_a_model_holding_functions_is_refused_with_the_fix():
@@ -288,16 +292,26 @@ def test_inspect_and_gradcheck_say_why_nothing_was_packed():
     assert "packed nothing" not in repr(packs)
 
 
-def test_nothing_packed_names_the_region_that_decided():
+@pytest.mark.parametrize("model", [scan_mlp, _two_scans], ids=["scan", "scans in a scan"])
+def test_nothing_packed_names_the_region_that_decided(model):
     ws, x = mlp_params(layers=2, width=32, batch=8)
 
-    def loss(ws, x):  # the scan's body and the loss after it, in the region
+    def loss(ws, x):  # the scans' bodies and the loss after them, in the region
         with residual.saved_tensors_hooks(policy=rp.Identity()):
-            return scan_mlp(ws, x)
+            return model(ws, x)
 
-    report = residual.inspect(loss, ws, x, policy=rp.Quantize(bits=8, min_bytes=0),
-                              compiled=False)
-    (note,) = report.notes
+    policy = rp.Quantize(bits=8, min_bytes=0)
+    (note,) = residual.inspect(loss, ws, x, policy=policy, compiled=False).notes
     assert re.search(r"of \d+ residuals, .*\d+ are decided by a `saved_tensors_hooks` "
                      r"region in the function, not by this policy", note), note
     assert "by the policy itself" not in note
+    # A region of the policy itself decides as the policy would: the reason is its own.
+    (note,) = residual.inspect(
+        lambda ws, x: _in_region(rp.Quantize(bits=8), model, ws, x), ws, x,
+        policy=rp.Quantize(bits=8), compiled=False).notes
+    assert "smaller than its `min_bytes=16384`" in note and "region" not in note, note
+
+
+def _in_region(policy, model, *args):
+    with residual.saved_tensors_hooks(policy=policy):
+        return model(*args)
