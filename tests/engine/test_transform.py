@@ -283,7 +283,8 @@ def test_outputs_the_trace_made_constants_come_back_as_arrays(make, policy):
             assert tree_equal(aux, want[0][1])
             assert float(value) == pytest.approx(float(want[0][0]), rel=1e-6)
             lossy = policy is not None and not policy.lossless
-            assert tree_allclose(grad, want[1], rtol=2e-2 if lossy else 0,
+            # Exact hooks agree to rounding (on jax 0.10, to an ulp).
+            assert tree_allclose(grad, want[1], rtol=2e-2 if lossy else 1e-6,
                                  atol=1e-2 if lossy else 0)
 
 
