@@ -153,7 +153,8 @@ class Pack(Decision):
             # pack's own `cond` and into the one below, two floats alive at once. (A
             # `Cast` fuses its producer and gains nothing: it measured a little worse.)
             value = ordered([value, value], value, forward=True)[0]
-        packed = call_hook("pack", self.policy.pack, value, info)
+        packed = call_hook("pack", self.policy.pack, _differentiated_never(value, self.policy),
+                           info)
         leaves, treedef = jax.tree.flatten(packed)
         positions, leaf_indices, unchanged = [], [], set()
         for k, leaf in enumerate(leaves):
@@ -311,6 +312,39 @@ def as_array(x: Any, dtype: Any = None) -> Any:
     if isinstance(x, jax.Array) or (isinstance(x, np.ndarray) and x.dtype == jax.dtypes.float0):
         return x
     return jnp.asarray(x, dtype=dtype)
+
+
+def _differentiated_never(value: Any, policy: Policy) -> Any:
+    """`value`, refused with a clear error if anything differentiates `pack` through it.
+
+    A first derivative never does (the custom VJP's forward is run, not differentiated);
+    a higher one does when it reaches the hooked call from outside a `jax.jit`,
+    `jax.checkpoint`, `lax.cond` or `lax.scan` around it, which traces the call afresh
+    so that it cannot tell (`RoundTrip` serves the derivatives it can see). Through the
+    packed form the derivative would be silently wrong: rounding's is zero, and an
+    offloaded value's cotangent is not on the device.
+    """
+    if not (isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jnp.inexact)):
+        return value
+
+    @jax.custom_jvp
+    def passed(x):
+        return x
+
+    @passed.defjvp
+    def _refused(primals, tangents):
+        raise ValueError(
+            f"A residual packed by {policy!r} is being differentiated again: a higher "
+            "derivative (`jax.hessian`, `grad` of `grad`, `jvp` of `grad`) reaches the "
+            "hooked function through a `jax.jit`, `jax.checkpoint`, `lax.cond` or "
+            "`lax.scan` around it, where its hooks cannot see the outer derivative, and "
+            "through packed residuals that derivative would be silently wrong. Take the "
+            "higher derivative of the hooked function itself and wrap that instead "
+            "(`jax.jit(jax.hessian(residual.with_hooks(f, ...)))`), or use a policy that "
+            "stores values as they are (`Identity`, `Remat`) for this computation."
+        )
+
+    return passed(value)
 
 
 @jax.custom_jvp

@@ -161,3 +161,31 @@ def test_attention_second_and_third_order_match_plain_jax(hooks):
     assert_matches(jax.jit(_third_order_along(f, v))(gain, x, w),
                    jax.jit(_third_order_along(_attention, v))(gain, x, w), hooks)
 
+
+
+def _mlp(w, x):
+    return jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w) ** 2)
+
+
+# Each traces the hooked call afresh, out of the outer derivative's sight.
+WRAPPERS = {
+    "jit": jax.jit,
+    "checkpoint": jax.checkpoint,
+    "cond": lambda g: lambda w, x: lax.cond(True, g, lambda w, x: 0.0 * jnp.sum(w), w, x),
+}
+
+
+@pytest.mark.parametrize("wrap", WRAPPERS.values(), ids=WRAPPERS.keys())
+def test_a_higher_derivative_through_packed_residuals_it_cannot_see_is_refused(wrap):
+    w = jax.random.normal(jax.random.key(0), (8, 8)) / 3
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    want = jax.hessian(_mlp)(w, x)
+    for policy in (rp.Quantize(bits=8, min_bytes=0), rp.Offload()):
+        g = residual.with_hooks(_mlp, policy=policy)
+        with pytest.raises(ValueError, match=r"is being differentiated again.*jax\.hessian"):
+            jax.hessian(wrap(g))(w, x)
+        # Seen by the hooks, the same derivative round-trips each residual.
+        assert relative_error(jax.jit(jax.hessian(g))(w, x), want) < 0.05
+    for policy in (rp.Identity(), rp.Remat()):  # nothing packed: exact as before
+        got = jax.hessian(wrap(residual.with_hooks(_mlp, policy=policy)))(w, x)
+        assert tree_allclose(got, want, rtol=1e-5, atol=1e-6)
