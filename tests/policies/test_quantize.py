@@ -882,3 +882,23 @@ def test_gradient_error_with_tpu_layouts(model):
                           (rp.Quantize(bits=4), 0.10)]:
         g = jax.jit(jax.grad(residual.with_hooks(loss, policy=policy), (0, 1)))
         assert relative_error_of_all(g(params, x), expected) <= bound, policy
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+def test_jitted_under_x64(bits, dtype):
+    # Under `jax_enable_x64` Python scalars are float64: every value the reductions
+    # combine keeps the residual's dtype, or the program does not lower.
+    with jax.enable_x64(True):
+        w = (jax.random.normal(jax.random.key(0), (64, 64)) / 8).astype(dtype)
+        x = jax.random.normal(jax.random.key(1), (16, 64)).astype(dtype)
+
+        def f(w, x):
+            return jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w) ** 2)
+
+        policy = rp.Quantize(bits=bits, min_bytes=0)
+        got = jax.jit(jax.grad(residual.with_hooks(f, policy=policy)))(w, x)
+        want = jax.grad(f)(w, x)
+        assert got.dtype == want.dtype
+        error = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+        assert error < (0.05 if bits == 8 else 0.25), error

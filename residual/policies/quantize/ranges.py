@@ -37,8 +37,10 @@ def finite_range(groups, lo, hi, layout):
 
     def reducer(a, b):
         (a_lo, a_hi, a_bad), (b_lo, b_hi, b_bad) = a, b
-        # `bad` stays non-finite once any value was.
-        bad = jnp.where(jnp.isfinite(a_bad) & jnp.isfinite(b_bad), 0.0, jnp.nan)
+        # `bad` stays non-finite once any value was; in the operands' dtype (Python
+        # scalars would make it float64 under `jax_enable_x64`).
+        bad = jnp.where(jnp.isfinite(a_bad) & jnp.isfinite(b_bad), jnp.zeros_like(a_bad),
+                        jnp.full_like(a_bad, jnp.nan))
         return (jnp.minimum(finite_or_zero(a_lo), finite_or_zero(b_lo)),
                 jnp.maximum(finite_or_zero(a_hi), finite_or_zero(b_hi)), bad)
 
@@ -68,8 +70,10 @@ def finite_ranges(groups, layout):
 
     def reducer(a, b):
         (a_lo, a_hi, a_bad), (b_lo, b_hi, b_bad) = a, b
-        # `bad` stays non-finite once any value was.
-        bad = jnp.where(jnp.isfinite(a_bad) & jnp.isfinite(b_bad), 0.0, jnp.nan)
+        # `bad` stays non-finite once any value was; in the operands' dtype (Python
+        # scalars would make it float64 under `jax_enable_x64`).
+        bad = jnp.where(jnp.isfinite(a_bad) & jnp.isfinite(b_bad), jnp.zeros_like(a_bad),
+                        jnp.full_like(a_bad, jnp.nan))
         return (jnp.minimum(finite_or(a_lo, jnp.inf), finite_or(b_lo, jnp.inf)),
                 jnp.maximum(finite_or(a_hi, -jnp.inf), finite_or(b_hi, -jnp.inf)), bad)
 
