@@ -326,6 +326,18 @@ def _differentiated_never(value: Any, policy: Policy) -> Any:
     """
     if not (isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jnp.inexact)):
         return value
+    # The rule holds the text, not the policy: JAX may keep the rule with a cached
+    # trace, and a policy's hooks must be freed with their scope.
+    message = (
+        f"A residual packed by {policy!r} is being differentiated again: a higher "
+        "derivative (`jax.hessian`, `grad` of `grad`, `jvp` of `grad`) reaches the "
+        "hooked function through a `jax.jit`, `jax.checkpoint`, `lax.cond` or "
+        "`lax.scan` around it, where its hooks cannot see the outer derivative, and "
+        "through packed residuals that derivative would be silently wrong. Take the "
+        "higher derivative of the hooked function itself and wrap that instead "
+        "(`jax.jit(jax.hessian(residual.with_hooks(f, ...)))`), or use a policy that "
+        "stores values as they are (`Identity`, `Remat`) for this computation."
+    )
 
     @jax.custom_jvp
     def passed(x):
@@ -333,16 +345,7 @@ def _differentiated_never(value: Any, policy: Policy) -> Any:
 
     @passed.defjvp
     def _refused(primals, tangents):
-        raise ValueError(
-            f"A residual packed by {policy!r} is being differentiated again: a higher "
-            "derivative (`jax.hessian`, `grad` of `grad`, `jvp` of `grad`) reaches the "
-            "hooked function through a `jax.jit`, `jax.checkpoint`, `lax.cond` or "
-            "`lax.scan` around it, where its hooks cannot see the outer derivative, and "
-            "through packed residuals that derivative would be silently wrong. Take the "
-            "higher derivative of the hooked function itself and wrap that instead "
-            "(`jax.jit(jax.hessian(residual.with_hooks(f, ...)))`), or use a policy that "
-            "stores values as they are (`Identity`, `Remat`) for this computation."
-        )
+        raise ValueError(message)
 
     return passed(value)
 
