@@ -167,7 +167,8 @@ def _mlp(w, x):
     return jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w) ** 2)
 
 
-# Each traces the hooked call afresh, out of the outer derivative's sight.
+# Each traces the hooked call afresh, out of the outer derivative's sight (but for
+# `jax.checkpoint` under `jax_custom_vjp3`, which hands the hooks the derivative).
 WRAPPERS = {
     "jit": jax.jit,
     "checkpoint": jax.checkpoint,
@@ -182,8 +183,11 @@ def test_a_higher_derivative_through_packed_residuals_it_cannot_see_is_refused(w
     want = jax.hessian(_mlp)(w, x)
     for policy in (rp.Quantize(bits=8, min_bytes=0), rp.Offload()):
         g = residual.with_hooks(_mlp, policy=policy)
-        with pytest.raises(ValueError, match=r"is being differentiated again.*jax\.hessian"):
-            jax.hessian(wrap(g))(w, x)
+        if wrap is jax.checkpoint and getattr(jax.config, "jax_custom_vjp3", False):
+            assert relative_error(jax.hessian(wrap(g))(w, x), want) < 0.05
+        else:
+            with pytest.raises(ValueError, match=r"is being differentiated again.*jax\.hessian"):
+                jax.hessian(wrap(g))(w, x)
         # Seen by the hooks, the same derivative round-trips each residual.
         assert relative_error(jax.jit(jax.hessian(g))(w, x), want) < 0.05
     for policy in (rp.Identity(), rp.Remat()):  # nothing packed: exact as before
