@@ -41,10 +41,10 @@ def decide(
     residuals = analysis.residuals
     # A loop's output is never recomputed (that would run the loop again): it is
     # stored, as its policy's `instead` would store it, else as it is.
-    looped = made_by_loops(analysis.closed.jaxpr)
+    by_a_loop = made_by_loops(analysis.closed.jaxpr)
     residual_vars = analysis.closed.jaxpr.outvars[analysis.num_outputs:]
     policies = [None if r.owned_by_inner else policy_for(r, base) for r in residuals]
-    policies = [_storing(p) if v in looped else p for p, v in zip(policies, residual_vars)]
+    policies = [_storing(p) if by_a_loop(v) else p for p, v in zip(policies, residual_vars)]
     derived = set() if higher_order else _derivable(residuals, policies)
     constants = {} if higher_order else _constants(residuals, policies)
     # Once anything is packed the program is no longer JAX's own: views of
@@ -67,10 +67,10 @@ def decide(
 
     def keep(var: Any, index: int) -> tuple[Residual, Decision] | None:
         residual = describe(var, index)
-        if var not in looped and (not residual.hookable or residual.info.kept_alive):
+        if not by_a_loop(var) and (not residual.hookable or residual.info.kept_alive):
             return None
         policy = policy_for(residual, base)
-        if var in looped:
+        if by_a_loop(var):
             policy = _storing(policy)
         elif recomputes(policy):
             return None

@@ -33,12 +33,13 @@ class Slice:
     outputs: list  # (residual index, variable)
 
 
-def made_by_loops(jaxpr: jp.Jaxpr) -> set[Any]:
-    """The values of `jaxpr` that a loop computes (a `scan`, a `while`, or a call, a
-    `cond` or a custom derivative that runs one): recomputing one would run the whole
-    loop again, so they are stored where a slice needs them. A scan's body recomputes
-    per iteration instead."""
-    return {v for eqn in jaxpr.eqns if _runs_a_loop(eqn) for v in eqn.outvars}
+def made_by_loops(jaxpr: jp.Jaxpr) -> Callable[[Any], bool]:
+    """Whether a value of `jaxpr` (a variable or a literal) is computed by a loop (a
+    `scan`, a `while`, or a call, a `cond` or a custom derivative that runs one):
+    recomputing it would run the whole loop again, so it is stored where a slice needs
+    it. A scan's body recomputes per iteration instead."""
+    looped = {v for eqn in jaxpr.eqns if _runs_a_loop(eqn) for v in eqn.outvars}
+    return lambda var: not isinstance(var, jp.Literal) and var in looped
 
 
 def _runs_a_loop(eqn: jp.JaxprEqn) -> bool:

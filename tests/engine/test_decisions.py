@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import pytest
 
 import residual
 from residual import policies as rp
@@ -66,3 +67,30 @@ def test_constants_a_derivative_saves_are_derived_not_packed():
         "kept", "kept"]
     hooked = jax.grad(residual.with_hooks(relu_mlp, policy=policy))(ws, x)
     assert relative_error(hooked, jax.grad(relu_mlp)(ws, x)) < 1e-2
+
+
+def _linear_recurrence(params, x):
+    """An LRU/S5-style layer: `h[t] = a[t] * h[t-1] + b[t]` by `lax.associative_scan`,
+    whose derivative stores literals (the zeros it pads with) among its residuals."""
+    wa, wb = params
+    a, b = jax.nn.sigmoid(x @ wa), x @ wb
+
+    def combine(left, right):
+        return right[0] * left[0], right[0] * left[1] + right[1]
+
+    _, h = jax.lax.associative_scan(combine, (a, b), axis=0)
+    return jax.numpy.sum(jax.numpy.tanh(h) ** 2)
+
+
+@pytest.mark.parametrize("policy", [rp.Identity(), rp.Remat(), rp.Quantize(bits=8, min_bytes=0)],
+                         ids=["identity", "remat", "int8"])
+def test_residuals_that_are_literals_are_decided(policy):
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = (jax.random.normal(k1, (16, 16)) / 4, jax.random.normal(k2, (16, 16)) / 4)
+    x = jax.random.normal(k3, (8, 16))
+    want = jax.grad(_linear_recurrence)(params, x)
+    got = jax.jit(jax.grad(residual.with_hooks(_linear_recurrence, policy=policy)))(params, x)
+    if policy.lossless:
+        assert tree_allclose(got, want)
+    else:
+        assert relative_error(got, want) < 0.02
