@@ -357,4 +357,14 @@ def _straight_through(x, y):
 
 @_straight_through.defjvp
 def _straight_through_jvp(primals, tangents):
-    return _straight_through(*primals), tangents[0]
+    out = _straight_through(*primals)
+    return out, _in_memory_of(out, tangents[0])
+
+
+def _in_memory_of(like: Any, tangent: Any) -> Any:
+    """`tangent` moved to the memory `like` is in: a residual a `jax.checkpoint` policy
+    offloaded is on the host, and the hooks' `unpack` may bring it back to the device."""
+    space = getattr(jax.typeof(like), "memory_space", None)
+    if space is None or space == getattr(jax.typeof(tangent), "memory_space", None):
+        return tangent
+    return jax.device_put(tangent, space)

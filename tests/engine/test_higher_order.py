@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 import residual
 from residual import policies as rp
@@ -193,3 +194,34 @@ def test_a_higher_derivative_through_packed_residuals_it_cannot_see_is_refused(w
     for policy in (rp.Identity(), rp.Remat()):  # nothing packed: exact as before
         got = jax.hessian(wrap(residual.with_hooks(_mlp, policy=policy)))(w, x)
         assert tree_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+OFFLOAD_NAMED = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[], names_which_can_be_offloaded=["matmul"],
+    offload_src="device", offload_dst="pinned_host")
+
+
+def _offloading_blocks(w, x):
+    """Two blocks whose `jax.checkpoint` policy offloads each matmul's output to the host."""
+
+    @functools.partial(jax.checkpoint, policy=OFFLOAD_NAMED)
+    def block(h):
+        return jnp.tanh(checkpoint_name(h @ w, "matmul"))
+
+    return jnp.sum(block(block(x)) ** 2)
+
+
+
+@pytest.mark.parametrize("policy", [rp.Offload(), rp.Quantize(bits=8, min_bytes=0)],
+                         ids=["offload", "int8"])
+def test_hessian_vector_products_of_residuals_a_checkpoint_offloaded(policy):
+    w = jax.random.normal(jax.random.key(0), (16, 16)) / 4
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    v = jax.random.normal(jax.random.key(2), (16, 16))
+
+    def hvp(f):
+        return jax.jit(lambda w: jax.jvp(lambda w: jax.grad(f)(w, x), (w,), (v,))[1])
+
+    want = hvp(_offloading_blocks)(w)
+    got = hvp(residual.with_hooks(_offloading_blocks, policy=policy))(w)
+    assert relative_error(got, want) < (1e-6 if policy.lossless else 0.05)
