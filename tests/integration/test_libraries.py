@@ -437,3 +437,33 @@ def test_keras_stateless_call_matches_plain_grad(monkeypatch):
         return jnp.mean(y**2), other
 
     check_against_plain(loss, trainable, other, x)
+
+
+def test_keras_cnn_with_batch_norm_matches_plain_grad(monkeypatch):
+    monkeypatch.setenv("KERAS_BACKEND", "jax")
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "jax":
+        pytest.skip("keras was imported with another backend")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((16, 16, 3)),
+        keras.layers.Conv2D(8, 3, padding="same"),
+        keras.layers.BatchNormalization(),  # moving statistics: non-trainable state
+        keras.layers.ReLU(),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(16, 3, padding="same", activation="silu"),
+        keras.layers.GroupNormalization(groups=4),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(10),
+    ])
+    x = jax.random.normal(jax.random.PRNGKey(0), (8, 16, 16, 3))
+    labels = jax.random.randint(jax.random.PRNGKey(1), (8,), 0, 10)
+    trainable = [v.value for v in model.trainable_variables]
+    other = [v.value for v in model.non_trainable_variables]
+
+    def loss(trainable, other, x, labels):
+        logits, other = model.stateless_call(trainable, other, x, training=True)
+        return jnp.mean(keras.losses.sparse_categorical_crossentropy(
+            labels, logits, from_logits=True)), other
+
+    check_against_plain(loss, trainable, other, x, labels)
