@@ -416,11 +416,17 @@ def test_equinox_batch_norm_state_matches_plain_grad():
 # keras 3 with the JAX backend: `stateless_call` is a pure function of the variables.
 
 
-def test_keras_stateless_call_matches_plain_grad(monkeypatch):
+@pytest.fixture
+def keras(monkeypatch):
+    """keras on the JAX backend (its default, TensorFlow, is not installed)."""
     monkeypatch.setenv("KERAS_BACKEND", "jax")
     keras = pytest.importorskip("keras")
     if keras.backend.backend() != "jax":
         pytest.skip("keras was imported with another backend")
+    return keras
+
+
+def test_keras_stateless_call_matches_plain_grad(keras):
     model = keras.Sequential([
         keras.Input((8, 16)),
         keras.layers.LayerNormalization(),
@@ -439,11 +445,7 @@ def test_keras_stateless_call_matches_plain_grad(monkeypatch):
     check_against_plain(loss, trainable, other, x)
 
 
-def test_keras_cnn_with_batch_norm_matches_plain_grad(monkeypatch):
-    monkeypatch.setenv("KERAS_BACKEND", "jax")
-    keras = pytest.importorskip("keras")
-    if keras.backend.backend() != "jax":
-        pytest.skip("keras was imported with another backend")
+def test_keras_cnn_with_batch_norm_matches_plain_grad(keras):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input((16, 16, 3)),
