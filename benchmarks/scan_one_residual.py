@@ -3,12 +3,14 @@
 `with_hooks` packs every residual a `lax.scan` body stores: for `tanh(h @ w)` that is
 the layer's input `h` (for the weight's gradient) and tanh's derivative `1 - y**2`, two
 codes per layer. But `y` is the next layer's input, stored anyway: a backward loop that
-carries the previous step's unpacked input can compute `1 - y**2` from it and store
-nothing else. This benchmark writes that VJP by hand, with `Quantize`'s own `pack` and
-`unpack`, and compiles it beside plain `jax.grad` and `with_hooks` under the same
-policy, as ratios to plain's peak / peak beyond arguments and outputs. It is the bound
-an engine that derives a body's residuals from the next iteration's stored carry
-could reach; nothing in the library does so yet.
+carries the unpacked input of the layer after (the step it ran just before) can compute
+`1 - y**2` from it and store nothing else. This benchmark writes that VJP by hand, with
+`Quantize`'s own `pack` and `unpack`, and compiles it beside plain `jax.grad` and
+`with_hooks` under the same policy, as ratios to plain's peak / peak beyond arguments
+and outputs, with each one's gradient error against plain's on a small copy of the
+model (on the running backend). It shows what an engine that derives a body's
+residuals from the next iteration's stored input could reach on this model; nothing in
+the library does so yet.
 
     python benchmarks/scan_one_residual.py --target v5e      # pip install 'residual[tpu]'
     python benchmarks/scan_one_residual.py --target v5e --batch 16384
