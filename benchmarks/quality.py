@@ -21,6 +21,7 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _models as models
+from _errors import relative_error
 
 import residual
 from residual import policies as rp
@@ -36,13 +37,6 @@ FORMATS = {
     "int4 stochastic": rp.Quantize(bits=4, stochastic=True),
     "2-bit": rp.Quantize(bits=2),
 }
-
-
-def relative_error(got, expected) -> float:
-    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(expected))
-    num = sum(jnp.sum((a - b) ** 2) for a, b in pairs)
-    den = sum(jnp.sum(b**2) for b in jax.tree.leaves(expected))
-    return float(jnp.sqrt(num / den))
 
 
 def gradient_errors() -> None:

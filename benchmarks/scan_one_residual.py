@@ -29,6 +29,7 @@ from jax import lax
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _models as models
+from _errors import relative_error
 
 import residual
 from residual import policies as rp
@@ -68,24 +69,21 @@ def one_residual_per_layer(policy: rp.Quantize):
     return lambda ws, x: jnp.sum(layers(ws, x).astype(jnp.float32) ** 2)
 
 
-def relative_error(got, expected) -> float:
-    return max(float(jnp.linalg.norm((a - b).astype(jnp.float32))
-                     / jnp.linalg.norm(b.astype(jnp.float32)))
-               for a, b in zip(got, expected))
-
-
 def main(target: str | None, batch: int) -> None:
     for dtype, bits in [(jnp.float32, 8), (jnp.float32, 4), (jnp.bfloat16, 8)]:
         policy = rp.Quantize(bits=bits)
         by_hand = one_residual_per_layer(policy)
         small = models.mlp_params(4, 256, 512, dtype)
-        grads = [jax.jit(jax.grad(f, argnums=(0, 1)))(*small) for f in
-                 (models.scan_mlp, residual.with_hooks(models.scan_mlp, policy=policy), by_hand)]
+        hooked = residual.with_hooks(models.scan_mlp, policy=policy)
+        # In float32, so that a bfloat16 gradient's error is not rounded away.
+        grads = [jax.tree.map(lambda g: g.astype(jnp.float32),
+                              jax.jit(jax.grad(f, argnums=(0, 1)))(*small))
+                 for f in (models.scan_mlp, hooked, by_hand)]
         ws, x = models.mlp_params(8, 1024, batch, dtype)
         plain = residual.peak(jax.grad(models.scan_mlp), ws, x, target=target).memory
         print(f"scan MLP {jnp.dtype(dtype).name}, 8 x {batch} x 1024, int{bits}: plain "
               f"{plain.peak / 2**20:,.0f} MiB ({plain.beyond / 2**20:,.0f} beyond)")
-        rows = [("with_hooks", residual.with_hooks(models.scan_mlp, policy=policy), grads[1]),
+        rows = [("with_hooks", hooked, grads[1]),
                 ("one residual per layer", by_hand, grads[2])]
         for label, fn, grad in rows:
             memory = residual.peak(jax.grad(fn), ws, x, target=target).memory

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _models as models
+from _errors import relative_error
 
 import residual
 from residual import policies as rp
@@ -65,13 +66,6 @@ def vjp_object_hooks(f, policy):
 
 def temp_bytes(fn, *args) -> int:
     return jax.jit(jax.grad(fn)).lower(*args).compile().memory_analysis().temp_size_in_bytes
-
-
-def relative_error(got, expected) -> float:
-    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(expected))
-    num = sum(jnp.sum((a - b) ** 2) for a, b in pairs)
-    den = sum(jnp.sum(b**2) for b in jax.tree.leaves(expected))
-    return float(jnp.sqrt(num / den))
 
 
 def measure(name, loss, args):

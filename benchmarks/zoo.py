@@ -28,6 +28,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).parent))
 import _models as models
 import _targets
+from _errors import relative_error
 
 import residual
 from residual import _target
@@ -56,13 +57,6 @@ ELEMENTWISE = {
 # Recompute each layer from its input in the backward: only where the layers are one
 # `lax.scan` (the unrolled CNN has no per-layer boundary a policy can see).
 PER_LAYER_REMAT = {"Remat per layer": rp.select([(rp.where(in_scan=True), rp.Remat())])}
-
-
-def relative_error(got, expected) -> float:
-    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(expected))
-    num = sum(jnp.sum((a - b) ** 2) for a, b in pairs)
-    den = sum(jnp.sum(b**2) for b in jax.tree.leaves(expected))
-    return float(jnp.sqrt(num / den))
 
 
 def measure(name, loss, args, policies, targets, target=None):
