@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .. import _jax_private as jp
 from .._policy import FunctionHooks, Policy
 from .._scope import innermost_policy
 from .decisions import (
@@ -50,14 +51,17 @@ def decide(
     # Once anything is packed the program is no longer JAX's own: views of
     # kept-alive inputs (`ws[i]`) are then re-taken in the backward, not stored, and
     # what is stored as it is gets read after the backward's own values.
-    acting = not higher_order and not in_scan and any(
+    packs = not higher_order and any(
         p is not None for p, r in zip(policies, residuals) if not r.owned_by_inner
     )
+    acting = packs and not in_scan
+    # A scan body re-takes them too: stored, the loop would stack a copy of the layers'
+    # weights, a residual of the call around the scan, which its policy would pack.
     decisions = [
         Derive(policy=p, eqn=constants[r.info.index][0], operands=constants[r.info.index][1])
         if r.info.index in constants else
         _decide_one(r, p, derived=r.info.index in derived, acting=acting,
-                    higher_order=higher_order)
+                    retakes_views=packs, higher_order=higher_order)
         for r, p in zip(residuals, policies)
     ]
     if not any(isinstance(d, Recompute) for d in decisions):
@@ -101,7 +105,8 @@ def decide(
     plan = plan if recomputed else None
     if acting and stores_as_jax_does(decisions, plan):
         decisions = [d if isinstance(d, Recompute) else
-                     _decide_one(r, p, derived=False, acting=False, higher_order=False)
+                     _decide_one(r, p, derived=False, acting=False, retakes_views=False,
+                                 higher_order=False)
                      for r, p, d in zip(residuals, policies, decisions)]
     return decisions, plan
 
@@ -165,13 +170,13 @@ def _storing(policy: Policy | None) -> Policy | None:
 
 
 def _decide_one(residual: Residual, policy: Policy | None, *, derived: bool, acting: bool,
-                higher_order: bool) -> Decision:
+                retakes_views: bool, higher_order: bool) -> Decision:
     if residual.owned_by_inner:
         return OwnedByInner()
     if derived:
         eqn, operands = residual.derivation
         return Derive(policy=policy, eqn=eqn, operands=operands)
-    if acting and residual.view is not None and (policy is None or recomputes(policy)):
+    if retakes_views and _retaken(residual, policy):
         # Recomputing a view is re-taking it, inside the backward's conditional
         # (recomputed from the whole input, it would be a copy of the input).
         chain, j = residual.view
@@ -185,6 +190,23 @@ def _decide_one(residual: Residual, policy: Policy | None, *, derived: bool, act
     if higher_order:
         return RoundTrip(policy=policy)
     return Pack(policy=policy)
+
+
+def _retaken(residual: Residual, policy: Policy | None) -> bool:
+    """Whether the backward takes `residual`, a view or a cast of a kept-alive input,
+    again from that input instead of storing it.
+
+    A view is kept as it is unless recomputed, as JAX keeps it. A cast (a layer's
+    weights in bfloat16) is a copy: a policy that would pack or recompute it gets it
+    taken again instead, exact and stored nowhere (plain hooks and lossless policies
+    see it, as in PyTorch).
+    """
+    if residual.view is None:
+        return False
+    if not any(eqn.primitive in jp.CASTS for eqn, _ in residual.view[0]):
+        return policy is None or recomputes(policy)
+    return policy is not None and (recomputes(policy) or (
+        not policy.lossless and not isinstance(policy, FunctionHooks)))
 
 
 def _derivable(residuals: Sequence[Residual], policies: Sequence[Policy | None]) -> set[int]:

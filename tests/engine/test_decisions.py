@@ -5,11 +5,19 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import residual
 from residual import policies as rp
-from tests.helpers import mlp_params, relative_error, tree_allclose, tree_equal, unrolled_mlp
+from tests.helpers import (
+    mlp_params,
+    relative_error,
+    scan_mlp,
+    tree_allclose,
+    tree_equal,
+    unrolled_mlp,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +75,66 @@ def test_constants_a_derivative_saves_are_derived_not_packed():
         "kept", "kept"]
     hooked = jax.grad(residual.with_hooks(relu_mlp, policy=policy))(ws, x)
     assert relative_error(hooked, jax.grad(relu_mlp)(ws, x)) < 1e-2
+
+
+def _scanned_transposed(ws_t, x):
+    """A scanned tanh MLP whose layers keep their weights transposed: `h @ w.T`."""
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w.T), None), x, ws_t)
+    return jnp.sum(h**2)
+
+
+def _scanned_bf16(ws, x):
+    """Mixed precision: float32 weights, cast to bfloat16 in each scanned layer."""
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w.astype(jnp.bfloat16)), None),
+                        x.astype(jnp.bfloat16), ws)
+    return jnp.sum(h.astype(jnp.float32) ** 2)
+
+
+def _unrolled_bf16(ws, x):
+    h = x.astype(jnp.bfloat16)
+    for w in ws:
+        h = jnp.tanh(h @ w.astype(jnp.bfloat16))
+    return jnp.sum(h.astype(jnp.float32) ** 2)
+
+
+@pytest.mark.parametrize("model", [_scanned_transposed, _scanned_bf16, _unrolled_bf16],
+                         ids=lambda f: f.__name__)
+def test_views_and_casts_of_weights_are_taken_again_not_packed(model):
+    # Packed, the backward would multiply by quantized weights; stored in a scan body,
+    # the loop would stack a copy of them, which the call around it would pack.
+    ws, x = mlp_params(3, 64, 32)
+    policy = rp.Quantize(bits=8, min_bytes=0)
+    report = residual.inspect(model, ws, x, policy=policy, compiled=False)
+    of_weights = [row for row in report.rows if row.primitive in ("transpose",
+                                                                  "convert_element_type")]
+    assert len(of_weights) >= (3 if model is _unrolled_bf16 else 1)
+    assert all(row.how == "view" for row in of_weights), report
+    assert {row.how for row in report.rows} <= {"kept", "view", "packed", "derived"}
+    assert not [row for row in report.rows if row.how == "packed" and row.shape[-2:] == (64, 64)]
+    hooked = jax.grad(residual.with_hooks(model, policy=policy), argnums=(0, 1))(ws, x)
+    assert relative_error(hooked, jax.grad(model, argnums=(0, 1))(ws, x)) < 2e-2
+    if model is _scanned_transposed:
+        # The same layers with their weights as they are: the same packed activations.
+        untransposed = jax.grad(residual.with_hooks(scan_mlp, policy=policy), argnums=(0, 1))(
+            jnp.swapaxes(ws, 1, 2), x)
+        assert tree_allclose((jnp.swapaxes(hooked[0], 1, 2), hooked[1]), untransposed,
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_casts_of_weights_are_seen_by_lossless_and_users_hooks():
+    # As in PyTorch, hooks see every saved tensor: only lossy policies take casts again.
+    ws, x = mlp_params(3, 64, 32)
+    identity = residual.inspect(_unrolled_bf16, ws, x, policy=rp.Identity(), compiled=False)
+    casts = [row for row in identity.rows if row.primitive == "convert_element_type"]
+    assert len(casts) == 4 and all(row.how == "kept" for row in casts)
+    seen = []
+
+    def pack(value):
+        seen.append(value.shape)
+        return value
+
+    jax.grad(residual.with_hooks(_unrolled_bf16, pack, lambda value: value))(ws, x)
+    assert seen.count((64, 64)) == 3
 
 
 def _linear_recurrence(params, x):
