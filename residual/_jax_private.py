@@ -63,9 +63,6 @@ FILLERS = frozenset({_lax.empty_p, _lax.empty2_p})
 VIEWS = frozenset({
     _p.slice_p, _p.squeeze_p, _p.reshape_p, _p.transpose_p, _p.dynamic_slice_p, _lax.unstack_p,
 })
-# Casts: a cast of a value that stays alive (a layer's weights in bfloat16) is taken
-# again in the backward like a view of it.
-CASTS = frozenset({_p.convert_element_type_p})
 # Elementwise equations as cheap to recompute as to read.
 CHEAP = frozenset({
     _p.add_p, _p.sub_p, _p.mul_p, _p.neg_p, _p.integer_pow_p, _p.square_p, _p.abs_p,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .. import _jax_private as jp
 from .._policy import FunctionHooks, Policy
 from .._scope import innermost_policy
 from .decisions import (
@@ -51,17 +50,17 @@ def decide(
     # Once anything is packed the program is no longer JAX's own: views of
     # kept-alive inputs (`ws[i]`) are then re-taken in the backward, not stored, and
     # what is stored as it is gets read after the backward's own values.
-    packs = not higher_order and any(
+    hooked = not higher_order and any(
         p is not None for p, r in zip(policies, residuals) if not r.owned_by_inner
     )
-    acting = packs and not in_scan
-    # A scan body re-takes them too: stored, the loop would stack a copy of the layers'
-    # weights, a residual of the call around the scan, which its policy would pack.
+    acting = hooked and not in_scan
+    # A scan body re-takes views too: stored, the loop would stack a copy (of a layer's
+    # weights, `w.T`), a residual of the call around the scan that its policy would pack.
     decisions = [
         Derive(policy=p, eqn=constants[r.info.index][0], operands=constants[r.info.index][1])
         if r.info.index in constants else
         _decide_one(r, p, derived=r.info.index in derived, acting=acting,
-                    retakes_views=packs, higher_order=higher_order)
+                    retakes_views=hooked, higher_order=higher_order)
         for r, p in zip(residuals, policies)
     ]
     if not any(isinstance(d, Recompute) for d in decisions):
@@ -103,7 +102,7 @@ def decide(
         recomputed -= derived
         plan = RecomputePlan(analysis, recomputed, keep)
     plan = plan if recomputed else None
-    if acting and stores_as_jax_does(decisions, plan):
+    if hooked and stores_as_jax_does(decisions, plan):
         decisions = [d if isinstance(d, Recompute) else
                      _decide_one(r, p, derived=False, acting=False, retakes_views=False,
                                  higher_order=False)
@@ -176,7 +175,7 @@ def _decide_one(residual: Residual, policy: Policy | None, *, derived: bool, act
     if derived:
         eqn, operands = residual.derivation
         return Derive(policy=policy, eqn=eqn, operands=operands)
-    if retakes_views and _retaken(residual, policy):
+    if retakes_views and residual.view is not None and (policy is None or recomputes(policy)):
         # Recomputing a view is re-taking it, inside the backward's conditional
         # (recomputed from the whole input, it would be a copy of the input).
         chain, j = residual.view
@@ -190,23 +189,6 @@ def _decide_one(residual: Residual, policy: Policy | None, *, derived: bool, act
     if higher_order:
         return RoundTrip(policy=policy)
     return Pack(policy=policy)
-
-
-def _retaken(residual: Residual, policy: Policy | None) -> bool:
-    """Whether the backward takes `residual`, a view or a cast of a kept-alive input,
-    again from that input instead of storing it.
-
-    A view is kept as it is unless recomputed, as JAX keeps it. A cast (a layer's
-    weights in bfloat16) is a copy: a policy that would pack or recompute it gets it
-    taken again instead, exact and stored nowhere (plain hooks and lossless policies
-    see it, as in PyTorch).
-    """
-    if residual.view is None:
-        return False
-    if not any(eqn.primitive in jp.CASTS for eqn, _ in residual.view[0]):
-        return policy is None or recomputes(policy)
-    return policy is not None and (recomputes(policy) or (
-        not policy.lossless and not isinstance(policy, FunctionHooks)))
 
 
 def _derivable(residuals: Sequence[Residual], policies: Sequence[Policy | None]) -> set[int]:

@@ -232,6 +232,11 @@ class View(Decision):
     chain: tuple[tuple[Any, int], ...]  # (equation, output index) from the input on
     input_index: int
 
+    @property
+    def as_is(self) -> bool:  # type: ignore[override]
+        # Unless recomputed, the input it views is stored as it is.
+        return self.policy is None
+
     def store(self, stores: Stores, residual: Residual, value: Any) -> Any:
         stores.slots[residual.info.index] = Slot.as_is(stores.input(self.input_index, True))
         return value

@@ -50,8 +50,8 @@ class Residual:
     # (equation, operands) when it is a cheap elementwise function of other residuals
     # and literals: operands are residual indices, or literal values.
     derivation: tuple[Any, tuple[Any, ...]] | None = None
-    # (view equations, input index) when it is a view or a cast of a kept-alive input
-    # that the backward can take again instead of storing it.
+    # (view equations, input index) when it is a view of a kept-alive input that the
+    # backward can take again instead of storing it.
     view: tuple[tuple[Any, ...], int] | None = None
     # (equation, literal operands) when it is computed from literals alone (the zeros
     # `where`'s derivative saves), in the function or inside a call in it.
@@ -438,20 +438,18 @@ def _is_filler(eqn: Any, producers: dict) -> bool:
     )
 
 
-def _view_of_input(var: Any, producers: dict, inputs_at: dict, casts: bool = False
+def _view_of_input(var: Any, producers: dict, inputs_at: dict
                    ) -> tuple[tuple[tuple[Any, int], ...], int] | None:
-    """`(chain, j)` when `var` is a view (a slice, a reshape) of input `j`, else `None`;
-    with `casts`, a view or a cast (`jp.CASTS`) of it, or a view of a cast.
+    """`(chain, j)` when `var` is a view (a slice, a reshape) of input `j`, else `None`.
 
     `chain` holds the (equation, output index) pairs that take it, from the input on.
     A view of a value that stays alive (`ws[i]` of stacked weights) costs XLA
     nothing to keep; packing it would add a copy.
     """
     chain = []
-    taken = jp.VIEWS | jp.CASTS if casts else jp.VIEWS
     while not isinstance(var, jp.Literal) and var in producers:
         eqn, k = producers[var]
-        if eqn.primitive not in taken:
+        if eqn.primitive not in jp.VIEWS:
             return None
         chain.append((eqn, k))
         var = eqn.invars[0]
@@ -462,12 +460,11 @@ def _view_of_input(var: Any, producers: dict, inputs_at: dict, casts: bool = Fal
 
 def _retakeable_view(var: Any, producers: dict, inputs_at: dict,
                      kinds: Sequence[InputKind]) -> tuple[tuple[Any, ...], int] | None:
-    """The view or cast `var` is of a kept-alive input, when the backward can take it
-    again.
+    """The view `var` is of a kept-alive input, when the backward can take it again.
 
     A `dynamic_slice` (which has index operands too) cannot: it is stored.
     """
-    view = _view_of_input(var, producers, inputs_at, casts=True)
+    view = _view_of_input(var, producers, inputs_at)
     if view is None or not kinds[view[1]].kept_alive:
         return None
     return view if all(len(eqn.invars) == 1 for eqn, _ in view[0]) else None

@@ -44,8 +44,7 @@ HOW = {
     "packed": "stored as what the policy's `pack` returned",
     "derived": "not stored: recomputed in the backward from other stored residuals or "
                "from constants",
-    "view": "not stored apart: taken again from an input that stays alive anyway (a "
-            "slice, a reshape or a cast of it)",
+    "view": "not stored apart: re-taken from an input that stays alive anyway",
     "recomputed": "not stored: recomputed in the backward from the nearest stored values",
 }
 
