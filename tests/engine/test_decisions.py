@@ -90,7 +90,8 @@ def test_a_scan_body_takes_views_of_its_weights_again():
     policy = rp.Quantize(bits=8, min_bytes=0)
     report = residual.inspect(_scanned_transposed, ws, x, policy=policy, compiled=False)
     assert [row.how for row in report.rows if row.shape[-2:] == (64, 64)] == ["kept"]
-    assert {row.how for row in report.rows if row.section} == {"packed"}
+    # The body packs its activations (and derives tanh's factor where JAX saves 1 - y).
+    assert {row.how for row in report.rows if row.section} <= {"packed", "derived"}
     hooked = jax.grad(residual.with_hooks(_scanned_transposed, policy=policy),
                       argnums=(0, 1))(ws, x)
     assert relative_error(hooked, jax.grad(_scanned_transposed, argnums=(0, 1))(ws, x)) < 2e-2
