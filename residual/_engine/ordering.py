@@ -180,7 +180,7 @@ def passed_after(tie, operands, fn: Callable | None = None) -> Any:
     reshape) and work on one example: under `vmap` it is vmapped when an operand is
     batched.
     """
-    first = tie.ravel()[0].astype(jnp.float32)
+    first = jnp.real(tie.ravel()[0]).astype(jnp.float32)
 
     @jax.custom_batching.custom_vmap
     def conditional(first, operands):
