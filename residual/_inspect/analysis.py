@@ -119,7 +119,7 @@ def nothing_packed(records: list[Record], policy: Policy) -> str | None:
     small = []
     for r in records:
         info = r.info
-        if not jnp.issubdtype(info.dtype, jnp.floating):
+        if not jnp.issubdtype(info.dtype, jnp.inexact):
             reason = "not floating point (indices, masks: never approximated)"
         elif info.kept_alive:
             reason = "alive anyway (inputs, weights: a packed copy would add memory)"

@@ -36,10 +36,10 @@ class RoundTrips(Policy):
     lossless = True
 
     def pack(self, x, info):
-        if not jnp.issubdtype(info.dtype, jnp.floating) or info.nbytes < MIN_BYTES:
+        if not jnp.issubdtype(info.dtype, jnp.inexact) or info.nbytes < MIN_BYTES:
             return x
         key = (code_key_of(info), info.index)
-        want = x.astype(jnp.float32)
+        want = _widened(x)
         for action in self.actions:
             policy = policy_of(action).resolve(info)
             if policy is None or policy.lossless:
@@ -47,13 +47,18 @@ class RoundTrips(Policy):
             # Known at trace time on every process, whichever runs the callback.
             self.sums.setdefault((key, action), [0.0, 0.0])
             packed = jax.tree.map(opaque, policy.pack(x, info))
-            got = policy.unpack(packed, info).astype(jnp.float32)
+            got = _widened(policy.unpack(packed, info))
             jax.debug.callback(functools.partial(add_sums, self.sums, (key, action)),
-                               jnp.sum((got - want) ** 2), jnp.sum(want**2))
+                               jnp.sum(jnp.abs(got - want) ** 2), jnp.sum(jnp.abs(want) ** 2))
         return x
 
     def unpack(self, packed, info):
         return packed
+
+
+def _widened(x):
+    """`x` in float32, or complex64 if complex: the error is measured at that precision."""
+    return x.astype(jnp.complex64 if jnp.iscomplexobj(x) else jnp.float32)
 
 
 def opaque(x):
@@ -187,7 +192,7 @@ def group_residuals(programs: Programs) -> list[Group]:
     groups: dict[tuple, Group] = {}
     for r in records:
         info = r.info
-        if (info.kept_alive or not jnp.issubdtype(info.dtype, jnp.floating)
+        if (info.kept_alive or not jnp.issubdtype(info.dtype, jnp.inexact)
                 or info.nbytes < MIN_BYTES):
             continue
         key = (code_key_of(info), info.index)

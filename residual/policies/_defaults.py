@@ -8,11 +8,11 @@ from .._info import ResidualInfo
 
 
 def worth_packing(info: ResidualInfo) -> bool:
-    """A floating-point residual whose storage packing can actually shrink.
+    """A real or complex floating-point residual whose storage packing can actually shrink.
 
     Not floating point (integers, booleans, indices): packing would change values
     that are not meant to be approximated. Kept alive anyway (an input of the
     outermost hooked function, such as a weight, or a scan body's loop-invariant or
     sliced operand): storing a packed copy would add memory, not save it.
     """
-    return jnp.issubdtype(info.dtype, jnp.floating) and not info.kept_alive
+    return jnp.issubdtype(info.dtype, jnp.inexact) and not info.kept_alive

@@ -11,6 +11,7 @@ import numpy as np
 from .._info import ResidualInfo
 from .._policy import Policy
 from . import _fusion
+from ._complex import from_parts, is_complex, part_dtype, parts
 from ._defaults import worth_packing
 
 
@@ -23,7 +24,8 @@ class Cast(Policy):
     above 65504; the float8 dtypes quarter it with much larger error (prefer
     `Quantize(format="fp8_e4m3")`, which scales per group first). Residuals already
     as narrow as `dtype`, non-floating ones, and those kept alive anyway (see
-    `ResidualInfo.kept_alive`) are stored unchanged.
+    `ResidualInfo.kept_alive`) are stored unchanged. A complex residual is stored as
+    its real and imaginary parts in `dtype`.
 
     In a program for a TPU (`elementwise="auto"`, the default), the residuals of
     elementwise chains (`tanh`, GELU's terms, a loss's `2 * x`) are recomputed in the
@@ -70,14 +72,16 @@ class Cast(Policy):
                                   "casts them elsewhere")
 
     def resolve(self, info: ResidualInfo) -> Policy | None:
-        narrower = np.dtype(self.dtype).itemsize < np.dtype(info.dtype).itemsize
+        narrower = np.dtype(self.dtype).itemsize < part_dtype(info.dtype).itemsize
         if not (worth_packing(info) and narrower):
             return None
         return _fusion.resolved(self, info, _fusion.recomputes(self.elementwise,
                                                                auto=_fusion.for_a_tpu()))
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> jnp.ndarray:
-        return x.astype(self.dtype)
+        return (parts(x) if is_complex(info) else x).astype(self.dtype)
 
     def unpack(self, packed: jnp.ndarray, info: ResidualInfo) -> jnp.ndarray:
+        if is_complex(info):
+            return from_parts(packed, info)
         return packed.astype(info.dtype)

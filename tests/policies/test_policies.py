@@ -264,3 +264,50 @@ def test_rules_matching_only_in_a_scan_body_or_only_outside_do_not_warn():
     jax.grad(residual.with_hooks(_two_layers, policy=policy))(ws, x)
     jax.grad(jax.jit(residual.with_hooks(_two_layers, policy=policy)))(ws, x)
     residual.inspect(_two_layers, ws, x, policy=policy, compiled=False)
+
+
+def _fourier_layer(h, layer):
+    # A Fourier neural operator's layer: a complex spectrum weighs the lowest modes.
+    w, spectrum = layer
+    modes = jnp.fft.rfft(h, axis=-1)[..., : spectrum.shape[-1]] * spectrum
+    return jnp.tanh(h @ w + jnp.fft.irfft(modes, n=h.shape[-1], axis=-1))
+
+
+def _fourier_model(params, x):
+    """Two Fourier layers in a scan, one unrolled: complex residuals both ways."""
+    ws, spectra = params
+    x, _ = lax.scan(lambda h, layer: (_fourier_layer(h, layer), None), x, (ws[1:], spectra[1:]))
+    return jnp.sum(_fourier_layer(x, (ws[0], spectra[0])) ** 2)
+
+
+def _fourier_params():
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(3), 4)
+    spectra = lax.complex(jax.random.normal(k1, (3, 16)), jax.random.normal(k2, (3, 16))) / 2
+    return (jax.random.normal(k3, (3, 64, 64)) / 8, spectra), jax.random.normal(k4, (32, 64))
+
+
+@pytest.mark.parametrize(("policy", "bound"), POLICIES, ids=IDS)
+def test_complex_residuals_match_plain(policy, bound):
+    params, x = _fourier_params()
+    g = residual.with_hooks(_fourier_model, policy=policy)
+    # Lossless policies agree to an ulp: the FFTs fuse differently around the hooks.
+    assert relative_error(jax.jit(jax.grad(g))(params, x),
+                          jax.jit(jax.grad(_fourier_model))(params, x)) <= max(bound, 1e-6)
+
+
+@pytest.mark.parametrize(("policy", "bound"), [
+    (rp.Identity(), 1e-6), (rp.Cast(jnp.bfloat16), 1e-2),
+    (rp.Quantize(bits=8, min_bytes=0), 1e-2), (rp.Quantize(bits=4, min_bytes=0), 2e-1)],
+    ids=["identity", "bf16", "int8", "int4"])
+def test_complex_residuals_second_derivatives_match_plain(policy, bound):
+    params, x = _fourier_params()
+    v = jax.tree.map(lambda p: jnp.full_like(p, 0.1), params)
+
+    def hvp(f):
+        def along_v(params):
+            return sum(jnp.real(jnp.vdot(g, t)) for g, t in
+                       zip(jax.tree.leaves(jax.grad(f)(params, x)), jax.tree.leaves(v)))
+        return jax.jit(jax.grad(along_v))(params)
+
+    g = residual.with_hooks(_fourier_model, policy=policy)
+    assert relative_error(hvp(g), hvp(_fourier_model)) <= bound

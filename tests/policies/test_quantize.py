@@ -902,3 +902,53 @@ def test_jitted_under_x64(bits, dtype):
         assert got.dtype == want.dtype
         error = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
         assert error < (0.05 if bits == 8 else 0.25), error
+
+
+def test_complex_residuals_are_stored_as_their_parts():
+    # Parts a hundred times apart: each is grouped on its own, so the small one keeps
+    # its own precision.
+    k1, k2 = jax.random.split(jax.random.key(13))
+    z = jax.lax.complex(jax.random.normal(k1, (32, 128)), 100 * jax.random.normal(k2, (32, 128)))
+    info = _info(z)
+    packed, y = _round_trip(rp.Quantize(bits=8), z)
+    assert packed["codes"].shape == (2, 32, 128) and packed["codes"].dtype == jnp.uint8
+    cast = rp.Cast(jnp.bfloat16)
+    assert cast.pack(z, info).shape == (2, 32, 128)
+    assert cast.pack(z, info).dtype == jnp.bfloat16
+    for restored, bound in [(y, 0.01), (cast.unpack(cast.pack(z, info), info), 0.005)]:
+        assert restored.dtype == z.dtype and restored.shape == z.shape
+        for part in (jnp.real, jnp.imag):
+            error = jnp.linalg.norm(part(restored) - part(z)) / jnp.linalg.norm(part(z))
+            assert float(error) < bound
+    # Its parts are float32 already: a float32 cast would store as many bytes.
+    assert rp.Cast(jnp.float32).resolve(info) is None
+    assert cast.resolve(info) is not None
+
+
+def test_a_fourier_layers_complex_spectra_are_packed_and_memory_shrinks():
+    width, modes, batch = 128, 32, 64
+
+    def fourier(params, x):
+        def layer(h, layer):
+            w, spectrum = layer
+            spectra = jnp.fft.rfft(h, axis=1)[:, :modes]  # c64[batch, modes, width]
+            mixed = jnp.einsum("bmi,mio->bmo", spectra, spectrum)
+            return jax.nn.gelu(h @ w + jnp.fft.irfft(mixed, n=h.shape[1], axis=1)), None
+
+        return jnp.mean(jax.lax.scan(layer, x, params)[0] ** 2)
+
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(14), 4)
+    spectrum = jax.lax.complex(jax.random.normal(k1, (3, modes, width, width)),
+                               jax.random.normal(k2, (3, modes, width, width))) / width
+    params = (jax.random.normal(k3, (3, width, width)) / 11, spectrum)
+    x = jax.random.normal(k4, (batch, 64, width))
+    policy = rp.Quantize(bits=8)
+    report = residual.inspect(fourier, params, x, policy=policy, compiled=False)
+    spectra = [r for r in report.rows if r.dtype == "complex64" and r.how != "kept"]
+    assert spectra and all(r.how == "packed" for r in spectra), report
+    hooked = residual.with_hooks(fourier, policy=policy)
+    # Measured 0.48x plain's memory beyond arguments and outputs, 0.57x with the
+    # spectra stored as they are.
+    assert beyond_bytes(jax.grad(hooked), params, x) <= 0.52 * beyond_bytes(
+        jax.grad(fourier), params, x)
+    assert relative_error(jax.grad(hooked)(params, x), jax.grad(fourier)(params, x)) < 0.01

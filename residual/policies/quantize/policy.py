@@ -15,6 +15,7 @@ from ..._engine.ordering import in_device_memory, several_devices
 from ..._info import ResidualInfo
 from ..._policy import Policy, check_bool, check_int
 from .. import _fusion
+from .._complex import from_parts, is_complex, parts, parts_info
 from .._defaults import worth_packing
 from .checks import FP8, check_byte_scales, check_format, check_grid, checked_scale_dtype
 from .grid import SUPER, SUPER_SHARDED, byte_scale_values, fp8_codes, int_codes, int_values
@@ -74,6 +75,8 @@ class Quantize(Policy):
       bits), so that shards of 64 keep theirs; an axis sharded into pieces of fewer
       than 64 elements splits super-groups across devices, and their largest step
       is then an all-reduce: pass `scale_dtype=jnp.float32` there.
+    - A complex residual is quantized as its real and imaginary parts (stacked on a
+      new leading axis, each grouped as a real residual of its shape would be).
     - Row statistics are stored as they are: a residual whose last axis has size 1,
       what a reduction with `keepdims=True` leaves (softmax row sums
       `[batch, heads, queries, 1]` from `jax.nn.softmax` and
@@ -324,6 +327,8 @@ class Quantize(Policy):
             # function): XLA cannot compute on host memory, and the device holds none
             # of it to save. Stored as it is.
             return x
+        if is_complex(info):
+            return self.pack(parts(x), parts_info(info))
         sharded = several_devices([x])
         layout = layout_of(x.shape, self.group_size, windows=self._windows(sharded),
                            rows=self._by_rows(info) and not sharded)
@@ -402,6 +407,8 @@ class Quantize(Policy):
     def unpack(self, packed: dict[str, jnp.ndarray], info: ResidualInfo) -> jnp.ndarray:
         if not isinstance(packed, dict):
             return packed  # stored as it is by `pack`: it was in host memory
+        if is_complex(info):
+            return from_parts(self.unpack(packed, parts_info(info)), info)
         layout = layout_of(info.shape, self.group_size,
                            windows=self._windows(several_devices([packed["codes"]])))
         by_rows = layout_of(info.shape, self.group_size, rows=True)
