@@ -233,10 +233,11 @@ class _RoundTrip(Policy):
         packed = self.inner.pack(x, info)
         y = self.inner.unpack(packed, info)
         if getattr(y, "shape", None) == x.shape and jnp.issubdtype(x.dtype, jnp.inexact):
-            diff = jnp.abs(y.astype(jnp.float32) - x.astype(jnp.float32))
+            wide = jnp.complex64 if jnp.iscomplexobj(x) else jnp.float32
+            diff = jnp.abs(y.astype(wide) - x.astype(wide))
             finite = jnp.isfinite(x)
             error = jnp.max(jnp.where(finite, diff, 0.0), initial=0.0)
-            scale = jnp.max(jnp.where(finite, jnp.abs(x.astype(jnp.float32)), 0.0), initial=0.0)
+            scale = jnp.max(jnp.where(finite, jnp.abs(x.astype(wide)), 0.0), initial=0.0)
             jax.debug.callback(
                 lambda a, r, i=info: self.sink.add(i, np.asarray(a), np.asarray(r)),
                 error, error / jnp.maximum(scale, 1e-30),

@@ -97,6 +97,18 @@ def test_gradcheck_passes_good_hooks_and_names_the_worst_residual_of_bad_ones():
                            raise_on_failure=True)
 
 
+def test_gradcheck_measures_both_parts_of_complex_residuals():
+    # A residual whose real part is zero: its whole round-trip error is imaginary.
+    def f(x, c):
+        s = jax.lax.complex(jnp.zeros_like(x), jnp.sin(x))
+        return jnp.sum(jnp.real(s * s * c))
+
+    x = jax.random.normal(jax.random.key(0), (16, 64))
+    c = jnp.ones((16, 64), jnp.complex64)
+    result = residual.gradcheck(f, x, c, policy=rp.Quantize(bits=4, min_bytes=0))
+    assert any(r.max_rel_error > 0.01 for r in result.residuals), result
+
+
 def test_gradcheck_judges_each_argument_whole_not_a_bias_whose_gradient_is_noise():
     # A bias before a batch norm has a true gradient of zero: rounding noise, which
     # no two programs share. The parameters, one argument, agree to rounding.

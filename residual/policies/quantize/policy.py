@@ -75,8 +75,10 @@ class Quantize(Policy):
       bits), so that shards of 64 keep theirs; an axis sharded into pieces of fewer
       than 64 elements splits super-groups across devices, and their largest step
       is then an all-reduce: pass `scale_dtype=jnp.float32` there.
-    - A complex residual is quantized as its real and imaginary parts (stacked on a
-      new leading axis, each grouped as a real residual of its shape would be).
+    - A complex residual is quantized as its real and imaginary parts, stacked on a
+      new leading axis: no group mixes the two. (In a program for a TPU, 4- and
+      2-bit codes of a complex matrix group along its last axis, where those of a
+      float32 matrix group down its rows.)
     - Row statistics are stored as they are: a residual whose last axis has size 1,
       what a reduction with `keepdims=True` leaves (softmax row sums
       `[batch, heads, queries, 1]` from `jax.nn.softmax` and
