@@ -20,6 +20,7 @@ from ._measure import backward, check_array_arguments, worst_argument_error
 from ._memory import Memory
 from ._policy import FunctionHooks, Policy, as_policy
 from ._target import resolve
+from .policies._complex import widened
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,11 +234,10 @@ class _RoundTrip(Policy):
         packed = self.inner.pack(x, info)
         y = self.inner.unpack(packed, info)
         if getattr(y, "shape", None) == x.shape and jnp.issubdtype(x.dtype, jnp.inexact):
-            wide = jnp.complex64 if jnp.iscomplexobj(x) else jnp.float32
-            diff = jnp.abs(y.astype(wide) - x.astype(wide))
+            diff = jnp.abs(widened(y) - widened(x))
             finite = jnp.isfinite(x)
             error = jnp.max(jnp.where(finite, diff, 0.0), initial=0.0)
-            scale = jnp.max(jnp.where(finite, jnp.abs(x.astype(wide)), 0.0), initial=0.0)
+            scale = jnp.max(jnp.where(finite, jnp.abs(widened(x)), 0.0), initial=0.0)
             jax.debug.callback(
                 lambda a, r, i=info: self.sink.add(i, np.asarray(a), np.asarray(r)),
                 error, error / jnp.maximum(scale, 1e-30),

@@ -16,6 +16,7 @@ from .._engine.record import recording
 from .._info import ResidualInfo
 from .._policy import Policy
 from .._target import Target
+from ..policies._complex import widened
 from .actions import MIN_BYTES, NOMINAL_ERROR, policy_of
 from .programs import Programs
 from .timing import agreed, best_time
@@ -39,7 +40,7 @@ class RoundTrips(Policy):
         if not jnp.issubdtype(info.dtype, jnp.inexact) or info.nbytes < MIN_BYTES:
             return x
         key = (code_key_of(info), info.index)
-        want = _widened(x)
+        want = widened(x)
         for action in self.actions:
             policy = policy_of(action).resolve(info)
             if policy is None or policy.lossless:
@@ -47,18 +48,13 @@ class RoundTrips(Policy):
             # Known at trace time on every process, whichever runs the callback.
             self.sums.setdefault((key, action), [0.0, 0.0])
             packed = jax.tree.map(opaque, policy.pack(x, info))
-            got = _widened(policy.unpack(packed, info))
+            got = widened(policy.unpack(packed, info))
             jax.debug.callback(functools.partial(add_sums, self.sums, (key, action)),
                                jnp.sum(jnp.abs(got - want) ** 2), jnp.sum(jnp.abs(want) ** 2))
         return x
 
     def unpack(self, packed, info):
         return packed
-
-
-def _widened(x):
-    """`x` in float32, or complex64 if complex: the error is measured at that precision."""
-    return x.astype(jnp.complex64 if jnp.iscomplexobj(x) else jnp.float32)
 
 
 def opaque(x):

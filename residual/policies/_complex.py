@@ -40,3 +40,8 @@ def from_parts(stacked: jnp.ndarray, info: ResidualInfo) -> jnp.ndarray:
     """The complex residual `info` describes, from its stacked parts."""
     real = stacked.astype(part_dtype(info.dtype))
     return lax.complex(real[0], real[1])
+
+
+def widened(x: jnp.ndarray) -> jnp.ndarray:
+    """`x` in float32, or complex64 if complex: where round-trip errors are measured."""
+    return x.astype(jnp.complex64 if jnp.iscomplexobj(x) else jnp.float32)
