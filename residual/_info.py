@@ -43,6 +43,10 @@ class ResidualInfo:
             outermost hooked function, or a scan body's loop-invariant or sliced
             operand), so packing it adds memory instead of saving it. Built-in policies
             leave such residuals alone.
+        in_host_memory: the residual is already in host memory, where a
+            `jax.checkpoint` offloading policy inside the hooked function put it: the
+            device holds none of it, and a device cannot compute on it. Built-in
+            policies that pack leave such residuals alone.
         in_scan: the residual was produced inside a `lax.scan` body and is stored once
             per iteration.
         derivative_of: the user's operation whose derivative rule computed it, when it
@@ -63,6 +67,7 @@ class ResidualInfo:
     name: str | None = None
     is_input: bool = False
     kept_alive: bool = False
+    in_host_memory: bool = False
     in_scan: bool = False
     derivative_of: str | None = None
     frames: tuple[str, ...] = ()

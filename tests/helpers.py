@@ -148,3 +148,18 @@ def beyond_bytes(fn, *args) -> int:
 
 def compiled_text(fn, *args) -> str:
     return jax.jit(fn).lower(*args).compile().as_text()
+
+
+def offloading_y(x):
+    """`jax.checkpoint` offloads `y` inside the hooked function: that residual reaches
+    the hooks in host memory, where XLA cannot compute."""
+    offload_y = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["y"],
+        offload_src="device", offload_dst="pinned_host",
+    )
+
+    def f(x):
+        y = jax.ad_checkpoint.checkpoint_name(jnp.sin(x) * 2, "y")
+        return jnp.sum(jnp.tanh(y) ** 2)
+
+    return jax.checkpoint(f, policy=offload_y)(x)

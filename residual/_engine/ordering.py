@@ -109,7 +109,11 @@ def _replaced(values: list[Any], indices: list[int], replacements: Sequence[Any]
 
 
 def in_device_memory(array: Any) -> bool:
-    space = getattr(jax.typeof(array), "memory_space", None)
+    return aval_in_device_memory(jax.typeof(array))
+
+
+def aval_in_device_memory(aval: Any) -> bool:
+    space = getattr(aval, "memory_space", None)
     return space is None or space == jax.memory.Space.Device
 
 

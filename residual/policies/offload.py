@@ -27,8 +27,9 @@ class Offload(Policy):
     `save_and_offload_only_these_names` does): XLA schedules the copies, overlapping
     them with compute where it can. Values are unchanged. On the CPU backend host and
     device memory are the same, so this changes nothing there: memory savings from
-    offloading are only measured on a GPU. Residuals kept alive anyway (weights) stay
-    where they are.
+    offloading are only measured on a GPU. Residuals kept alive anyway (weights), and
+    those a `jax.checkpoint` offloading policy already put in host memory, stay where
+    they are.
 
     In a program for a TPU (`elementwise="auto"`, the default), the residuals of
     elementwise chains (`tanh`, GELU's terms, a loss's `2 * x`) are recomputed in the
@@ -85,7 +86,7 @@ class Offload(Policy):
                                   "offloads them elsewhere")
 
     def resolve(self, info: ResidualInfo) -> Policy | None:
-        if info.kept_alive:
+        if info.kept_alive or info.in_host_memory:
             return None
         return _fusion.resolved(self, info, _fusion.recomputes(self.elementwise,
                                                                auto=_fusion.for_a_tpu()))

@@ -12,7 +12,14 @@ from jax import lax
 
 import residual
 from residual import policies as rp
-from tests.helpers import mlp_params, relative_error, scan_mlp, tree_equal, unrolled_mlp
+from tests.helpers import (
+    mlp_params,
+    offloading_y,
+    relative_error,
+    scan_mlp,
+    tree_equal,
+    unrolled_mlp,
+)
 from tests.policies_under_test import IDS, POLICIES
 
 
@@ -191,31 +198,25 @@ def test_builtins_leave_integers_and_kept_alive_inputs_alone(policy):
             assert policy.resolve(info) is not None, info
 
 
-@pytest.mark.parametrize(
-    "policy",
-    [rp.Quantize(bits=8, min_bytes=0), rp.Quantize(bits=4, stochastic=True, min_bytes=0),
-     rp.Chain(rp.Quantize(bits=8, min_bytes=0), rp.Offload())],
-    ids=["int8", "int4-stochastic", "int8-then-offload"],
-)
-def test_quantize_leaves_residuals_already_in_host_memory_alone(policy):
-    # `jax.checkpoint` offloads `y` inside the hooked function: that residual reaches
-    # the hooks in host memory, where XLA cannot compute; `tanh`'s stays on the device.
-    offload_y = jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=["y"],
-        offload_src="device", offload_dst="pinned_host",
-    )
+PACKING_POLICIES = [
+    rp.Quantize(bits=8, min_bytes=0), rp.Quantize(bits=4, stochastic=True, min_bytes=0),
+    rp.Chain(rp.Quantize(bits=8, min_bytes=0), rp.Offload()),
+    rp.Cast(jnp.bfloat16, elementwise="pack"), rp.Chain(rp.Cast(jnp.bfloat16), rp.Offload()),
+]
 
-    def f(x):
-        y = jax.ad_checkpoint.checkpoint_name(jnp.sin(x) * 2, "y")
-        return jnp.sum(jnp.tanh(y) ** 2)
 
-    def g(x):
-        return jax.checkpoint(f, policy=offload_y)(x)
-
+@pytest.mark.parametrize("policy", PACKING_POLICIES,
+                         ids=["int8", "int4-stochastic", "int8-then-offload", "bf16",
+                              "bf16-then-offload"])
+def test_packing_policies_leave_residuals_already_in_host_memory_alone(policy):
     x = jnp.linspace(-1.0, 1.0, 256).reshape(4, 64)
-    hooked = residual.with_hooks(g, policy=policy)
+    hooked = residual.with_hooks(offloading_y, policy=policy)
     for grad in (jax.grad, lambda h: jax.jit(jax.grad(h))):
-        assert relative_error(grad(hooked)(x), jax.grad(g)(x)) <= 2e-1
+        # Left as they are, the gradients are plain's exactly.
+        assert tree_equal(grad(hooked)(x), jax.grad(offloading_y)(x))
+    report = residual.inspect(offloading_y, x, policy=policy, compiled=False)
+    [offloaded] = [r for r in report.rows if r.primitive == "device_put"]
+    assert offloaded.how == "kept", report
 
 
 def _two_layers(ws, x):

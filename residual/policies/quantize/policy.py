@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..._engine.ordering import in_device_memory, several_devices
+from ..._engine.ordering import several_devices
 from ..._info import ResidualInfo
 from ..._policy import Policy, check_bool, check_int
 from .. import _fusion
@@ -127,8 +127,9 @@ class Quantize(Policy):
     Built-in defaults: only floating-point residuals of at least `min_bytes` that are
     not kept alive anyway (`ResidualInfo.kept_alive`: weights, loop-invariant
     operands) and are not row statistics are quantized. Residuals already in host
-    memory (offloaded by a `jax.checkpoint` policy inside the hooked function) are
-    stored as they are: XLA does not compute on them there. To quantize and offload,
+    memory (offloaded by a `jax.checkpoint` policy inside the hooked function,
+    `ResidualInfo.in_host_memory`) are stored as they are: XLA does not compute on
+    them there. To quantize and offload,
     chain the two in that order, `Chain(Quantize(...), Offload())`.
 
     Args:
@@ -323,12 +324,7 @@ class Quantize(Policy):
         return self.bits == 8 or (info.dtype == np.dtype(np.float32)
                                   and len(info.shape) == 2)
 
-    def pack(self, x: jnp.ndarray, info: ResidualInfo) -> dict[str, jnp.ndarray] | jnp.ndarray:
-        if not in_device_memory(x):
-            # Already offloaded (a `jax.checkpoint` offloading policy inside the hooked
-            # function): XLA cannot compute on host memory, and the device holds none
-            # of it to save. Stored as it is.
-            return x
+    def pack(self, x: jnp.ndarray, info: ResidualInfo) -> dict[str, jnp.ndarray]:
         if is_complex(info):
             return self.pack(parts(x), parts_info(info))
         sharded = several_devices([x])
@@ -407,8 +403,6 @@ class Quantize(Policy):
                          salt=salt, super_span=super_span)
 
     def unpack(self, packed: dict[str, jnp.ndarray], info: ResidualInfo) -> jnp.ndarray:
-        if not isinstance(packed, dict):
-            return packed  # stored as it is by `pack`: it was in host memory
         if is_complex(info):
             return from_parts(self.unpack(packed, parts_info(info)), info)
         layout = layout_of(info.shape, self.group_size,
