@@ -123,6 +123,9 @@ def nothing_packed(records: list[Record], policy: Policy) -> str | None:
             reason = "not floating point (indices, masks: never approximated)"
         elif info.kept_alive:
             reason = "alive anyway (inputs, weights: a packed copy would add memory)"
+        elif info.in_host_memory:
+            reason = ("in host memory already (offloaded by a `jax.checkpoint` policy in "
+                      "the function)")
         elif r.region is not None and r.region != policy:
             reason = ("decided by a `saved_tensors_hooks` region in the function, not by "
                       "this policy")

@@ -217,6 +217,7 @@ def test_packing_policies_leave_residuals_already_in_host_memory_alone(policy):
     report = residual.inspect(offloading_y, x, policy=policy, compiled=False)
     [offloaded] = [r for r in report.rows if r.primitive == "device_put"]
     assert offloaded.how == "kept", report
+    assert "1 is in host memory already" in str(report), report
 
 
 def _two_layers(ws, x):
