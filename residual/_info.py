@@ -43,10 +43,6 @@ class ResidualInfo:
             outermost hooked function, or a scan body's loop-invariant or sliced
             operand), so packing it adds memory instead of saving it. Built-in policies
             leave such residuals alone.
-        in_host_memory: the residual is already in host memory, where a
-            `jax.checkpoint` offloading policy inside the hooked function put it: the
-            device holds none of it, and a device cannot compute on it. Built-in
-            policies that pack leave such residuals alone.
         in_scan: the residual was produced inside a `lax.scan` body and is stored once
             per iteration.
         derivative_of: the user's operation whose derivative rule computed it, when it
@@ -56,6 +52,11 @@ class ResidualInfo:
             the size of the mesh its sharding names, or the run's device count
             (every process's; not for a compile-only target) where that is larger;
             1 when neither spans more.
+        in_host_memory: the residual is already in host memory, where a
+            `jax.checkpoint` offloading policy inside the hooked function put it: the
+            device holds none of it, and a device cannot compute on it. `Cast`,
+            `Quantize` and `Offload` leave such residuals where they are, and the
+            planner offers them no action of their own.
     """
 
     index: int
@@ -67,11 +68,11 @@ class ResidualInfo:
     name: str | None = None
     is_input: bool = False
     kept_alive: bool = False
-    in_host_memory: bool = False
     in_scan: bool = False
     derivative_of: str | None = None
     frames: tuple[str, ...] = ()
     devices: int = 1
+    in_host_memory: bool = False
 
     @property
     def size(self) -> int:

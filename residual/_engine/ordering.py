@@ -109,11 +109,7 @@ def _replaced(values: list[Any], indices: list[int], replacements: Sequence[Any]
 
 
 def in_device_memory(array: Any) -> bool:
-    return aval_in_device_memory(jax.typeof(array))
-
-
-def aval_in_device_memory(aval: Any) -> bool:
-    space = getattr(aval, "memory_space", None)
+    space = getattr(jax.typeof(array), "memory_space", None)
     return space is None or space == jax.memory.Space.Device
 
 

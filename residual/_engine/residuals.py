@@ -19,7 +19,7 @@ from .. import _jax_private as jp
 from .._info import ResidualInfo
 from .._scope import is_marker, policy_of_marker
 from .._source import is_own_file
-from .ordering import aval_in_device_memory, devices_spanned_by
+from .ordering import devices_spanned_by
 
 # The `checkpoint_name` given to what a hooked call stores: an enclosing `with_hooks`
 # leaves these residuals to it, so hooks never pack already-packed data twice.
@@ -206,7 +206,7 @@ def _as_residual(index: int, var: Any, origin: _Provenance, kinds: Sequence[Inpu
         name=origin.name,
         is_input=is_input,
         kept_alive=viewed is not None and kinds[viewed].kept_alive,
-        in_host_memory=not aval_in_device_memory(aval),
+        in_host_memory=getattr(aval, "memory_space", None) == jax.memory.Space.Host,
         in_scan=origin.in_scan,
         derivative_of=derivative_of,
         devices=devices,

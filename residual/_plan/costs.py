@@ -188,8 +188,8 @@ def group_residuals(programs: Programs) -> list[Group]:
     groups: dict[tuple, Group] = {}
     for r in records:
         info = r.info
-        if (info.kept_alive or not jnp.issubdtype(info.dtype, jnp.inexact)
-                or info.nbytes < MIN_BYTES):
+        if (info.kept_alive or info.in_host_memory
+                or not jnp.issubdtype(info.dtype, jnp.inexact) or info.nbytes < MIN_BYTES):
             continue
         key = (code_key_of(info), info.index)
         if key in groups:  # identical scan bodies: one decision

@@ -28,6 +28,7 @@ def where(
     is_input: bool | None = None,
     kept_alive: bool | None = None,
     in_scan: bool | None = None,
+    in_host_memory: bool | None = None,
     **unknown: Any,
 ) -> Callable[[ResidualInfo], bool]:
     """A predicate on `ResidualInfo`: true when every condition given holds.
@@ -57,6 +58,8 @@ def where(
             slice or loop-invariant operand).
         kept_alive: whether the value stays alive anyway (see `ResidualInfo.kept_alive`).
         in_scan: whether it is produced inside a `lax.scan` body.
+        in_host_memory: whether it is already in host memory (see
+            `ResidualInfo.in_host_memory`).
 
     Returns:
         A hashable predicate: call it on a `ResidualInfo` to get a bool.
@@ -104,6 +107,7 @@ def where(
         is_input=_flag("is_input", is_input),
         kept_alive=_flag("kept_alive", kept_alive),
         in_scan=_flag("in_scan", in_scan),
+        in_host_memory=_flag("in_host_memory", in_host_memory),
     )
 
 
@@ -122,6 +126,7 @@ class _Where:
     is_input: bool | None = None
     kept_alive: bool | None = None
     in_scan: bool | None = None
+    in_host_memory: bool | None = None
 
     def __post_init__(self):
         if (
@@ -150,6 +155,7 @@ class _Where:
             self.is_input is None or info.is_input == self.is_input,
             self.kept_alive is None or info.kept_alive == self.kept_alive,
             self.in_scan is None or info.in_scan == self.in_scan,
+            self.in_host_memory is None or info.in_host_memory == self.in_host_memory,
         )
         return all(checks)
 

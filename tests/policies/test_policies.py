@@ -220,6 +220,14 @@ def test_packing_policies_leave_residuals_already_in_host_memory_alone(policy):
     assert "1 is in host memory already" in str(report), report
 
 
+def test_where_selects_residuals_already_in_host_memory():
+    x = jnp.linspace(-1.0, 1.0, 256).reshape(4, 64)
+    policy = rp.select([(rp.where(in_host_memory=True), rp.Remat())], default=rp.Identity())
+    report = residual.inspect(offloading_y, x, policy=policy, compiled=False)
+    recomputed = [r.primitive for r in report.rows if r.how == "recomputed"]
+    assert recomputed == ["device_put"], report
+
+
 def _two_layers(ws, x):
     with jax.named_scope("block0"):
         x = jnp.tanh(x @ ws[0])

@@ -25,6 +25,7 @@ from residual.policies import Identity
 from ..helpers import (
     RUNNING_PLATFORM,
     mlp_params,
+    offloading_y,
     peak_bytes,
     relative_error,
     scan_mlp,
@@ -427,3 +428,14 @@ def test_measured_rates_drop_an_accelerators_fixed_call_time(monkeypatch, backen
     else:
         assert rates["int8"] == pytest.approx(1e-12) and rates["bandwidth"] == pytest.approx(1e-12)
         assert rates["flops"] == pytest.approx(1e12)
+
+
+def test_the_planner_leaves_residuals_already_in_host_memory_where_they_are():
+    # `offloading_y` puts its `y` in host memory; `sin(x)` leaves its derivative on the
+    # device. Only the device residual is the planner's to decide.
+    def loss(x):
+        return offloading_y(x) + jnp.sum(jnp.sin(x) ** 2)
+
+    plan = residual.plan(loss, jnp.ones((BATCH, WIDTH)), budget=None)
+    assert plan.decisions, plan
+    assert all(d.primitive != "device_put" for d in plan.decisions), plan
