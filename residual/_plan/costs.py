@@ -17,6 +17,7 @@ from .._info import ResidualInfo
 from .._policy import Policy
 from .._target import Target
 from ..policies._complex import widened
+from ..policies._defaults import worth_packing
 from .actions import MIN_BYTES, NOMINAL_ERROR, policy_of
 from .programs import Programs
 from .timing import agreed, best_time
@@ -188,8 +189,7 @@ def group_residuals(programs: Programs) -> list[Group]:
     groups: dict[tuple, Group] = {}
     for r in records:
         info = r.info
-        if (info.kept_alive or info.in_host_memory
-                or not jnp.issubdtype(info.dtype, jnp.inexact) or info.nbytes < MIN_BYTES):
+        if not worth_packing(info) or info.nbytes < MIN_BYTES:
             continue
         key = (code_key_of(info), info.index)
         if key in groups:  # identical scan bodies: one decision

@@ -129,8 +129,8 @@ class Quantize(Policy):
     operands) and are not row statistics are quantized. Residuals already in host
     memory (offloaded by a `jax.checkpoint` policy inside the hooked function,
     `ResidualInfo.in_host_memory`) are stored as they are: XLA does not compute on
-    them there. To quantize and offload,
-    chain the two in that order, `Chain(Quantize(...), Offload())`.
+    them there. To quantize and offload, chain the two in that order,
+    `Chain(Quantize(...), Offload())`.
 
     Args:
         bits: 8, 4 or 2 for `format="int"`; 8 for fp8.
