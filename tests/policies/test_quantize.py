@@ -779,14 +779,17 @@ def tpu_layouts(monkeypatch):
 
 @pytest.mark.parametrize(("bits", "scale_dtype", "width"), [
     (8, jnp.float32, 200), (4, jnp.float32, 200), (2, jnp.float32, 200),
-    (4, jnp.uint8, 200), (4, jnp.uint8, 256)])
+    (4, jnp.uint8, 200), (4, jnp.uint8, 256),
+    (8, jnp.float32, 64), (4, jnp.uint8, 16), (2, jnp.uint8, 16)])
 def test_tpu_windows_give_the_codes_of_reshaped_groups(bits, scale_dtype, width, monkeypatch):
     # Along the last axis, a TPU reduces over windows and spreads by broadcasting;
     # elsewhere groups are reshaped. Same codes and statistics, bit for bit (byte
     # scales: 13 groups of 16 along 200, one per super-group; 8 per one along 256).
+    # A last axis of one group: a window as wide as the axis, and with byte scales
+    # (16 in groups of 16) a reduction over the whole axis.
     rows = 10.0 ** jnp.arange(6, dtype=jnp.float32)[:, None]
     x = jax.random.normal(jax.random.key(11), (6, width)) * rows
-    x = x.at[2, 7].set(jnp.nan).at[4, 150].set(jnp.inf)
+    x = x.at[2, 7].set(jnp.nan).at[4, min(150, width - 1)].set(jnp.inf)
     info = dataclasses.replace(_info(x), in_scan=True)  # in a scan body: windows, not rows
     group_size = 16 if scale_dtype == jnp.uint8 else 64
     policy = rp.Quantize(bits=bits, min_bytes=0, group_size=group_size, scale_dtype=scale_dtype)

@@ -208,8 +208,7 @@ class Quantize(Policy):
             scale_dtype = jnp.uint8 if low_bits else jnp.float32
         object.__setattr__(self, "scale_dtype", checked_scale_dtype(scale_dtype))
         if self.group_size is None:
-            byte_scales = self.scale_dtype == np.dtype(jnp.uint8)
-            object.__setattr__(self, "group_size", 32 if byte_scales else 64)
+            object.__setattr__(self, "group_size", 32 if self._byte_scales else 64)
         for label in ("group_size", "seed", "min_bytes"):
             minimum = {"group_size": 1, "min_bytes": 0}.get(label)
             value = check_int("Quantize", label, getattr(self, label), minimum=minimum)
@@ -278,6 +277,10 @@ class Quantize(Policy):
         return _fusion.for_a_tpu() and not (sharded and self._eight_bits)
 
     @property
+    def _byte_scales(self) -> bool:
+        return self.scale_dtype == np.dtype(jnp.uint8)
+
+    @property
     def _eight_bits(self) -> bool:
         return self.format != "int" or self.bits == 8
 
@@ -329,7 +332,8 @@ class Quantize(Policy):
             return self.pack(parts(x), parts_info(info))
         sharded = several_devices([x])
         layout = layout_of(x.shape, self.group_size, windows=self._windows(sharded),
-                           rows=self._by_rows(info) and not sharded)
+                           rows=self._by_rows(info) and not sharded,
+                           whole_axis=self._byte_scales)
         groups = layout.group(x.astype(jnp.float32))
         salt = salt_of(self.seed, info.index) if self.stochastic else None
         if sharded:
@@ -406,7 +410,8 @@ class Quantize(Policy):
         if is_complex(info):
             return from_parts(self.unpack(packed, parts_info(info)), info)
         layout = layout_of(info.shape, self.group_size,
-                           windows=self._windows(several_devices([packed["codes"]])))
+                           windows=self._windows(several_devices([packed["codes"]])),
+                           whole_axis=self._byte_scales)
         by_rows = layout_of(info.shape, self.group_size, rows=True)
         if (self._by_rows(info) and fits_rows(info.shape, self.group_size)
                 and packed["scale"].shape == by_rows.stored_shape):
