@@ -37,14 +37,31 @@ def decide(
     `base` applies outside any hooks region. A `higher_order` derivative (the values
     are themselves being differentiated) stores every residual, round-tripped
     through its policy (see `RoundTrip`): nothing is derived, re-taken or packed.
+    Masks that `Cast` and `Quantize` would store as bits beside no packed float are
+    kept as they are (see `MaskBits`).
     """
-    residuals = analysis.residuals
     # A loop's output is never recomputed (that would run the loop again): it is
     # stored, as its policy's `instead` would store it, else as it is.
     by_a_loop = made_by_loops(analysis.closed.jaxpr)
     residual_vars = analysis.closed.jaxpr.outvars[analysis.num_outputs:]
-    policies = [None if r.owned_by_inner else policy_for(r, base) for r in residuals]
+    policies = [None if r.owned_by_inner else policy_for(r, base) for r in analysis.residuals]
     policies = [_storing(p) if by_a_loop(v) else p for p, v in zip(policies, residual_vars)]
+    args = (analysis, input_kinds, base, by_a_loop, higher_order, scope_prefix, in_scan)
+    decisions, plan = _decided(policies, *args)
+    packed = [d.policy for d in decisions if isinstance(d, Pack)]
+    if packed and all(getattr(p, "beside_floats", False) for p in packed):
+        # Masks alone (see `MaskBits`): kept as they are, as JAX keeps them.
+        masks = [None if getattr(p, "beside_floats", False) else p for p in policies]
+        decisions, plan = _decided(masks, *args)
+    return decisions, plan
+
+
+def _decided(policies: list[Policy | None], analysis: Analysis,
+             input_kinds: Sequence[InputKind], base: Policy | None, by_a_loop: Any,
+             higher_order: bool, scope_prefix: Sequence[str], in_scan: bool,
+             ) -> tuple[list[Decision], RecomputePlan | None]:
+    """`decide`, for the residuals' `policies`."""
+    residuals = analysis.residuals
     derived = set() if higher_order else _derivable(residuals, policies)
     constants = {} if higher_order else _constants(residuals, policies)
     # Once anything is packed the program is no longer JAX's own: views of

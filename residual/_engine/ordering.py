@@ -144,8 +144,9 @@ def _movable(value: Any) -> bool:
 
 def _ordered_forward(values: list[Any]) -> list[Any]:
     value = values[0]
+    # Floats and boolean masks (packed as bits) are what the built-in policies pack.
     if (len(values) < 2 or not value.size or several_devices(values) or not jp.is_staged()
-            or not jnp.issubdtype(value.dtype, jnp.inexact)
+            or not (jnp.issubdtype(value.dtype, jnp.inexact) or value.dtype == bool)
             or not all(in_device_memory(v) for v in values)):
         return values
     return list(passed_after(value, values))

@@ -13,6 +13,7 @@ from .._policy import Policy
 from . import _fusion
 from ._complex import from_parts, is_complex, part_dtype, parts
 from ._defaults import worth_packing
+from .mask_bits import MASK_BITS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,8 +24,9 @@ class Cast(Policy):
     of about $2^{-8}$ per value; `jnp.float16` keeps more mantissa but overflows
     above 65504; the float8 dtypes quarter it with much larger error (prefer
     `Quantize(format="fp8_e4m3")`, which scales per group first). Residuals already
-    as narrow as `dtype`, non-floating ones, those kept alive anyway (see
-    `ResidualInfo.kept_alive`) and those already in host memory are stored unchanged.
+    as narrow as `dtype`, those kept alive anyway (see `ResidualInfo.kept_alive`),
+    those already in host memory and other non-floating ones are stored unchanged,
+    but for boolean masks (a ReLU's), stored as bits beside the floats cast.
     A complex residual is stored as its real and imaginary parts in `dtype`.
 
     In a program for a TPU (`elementwise="auto"`, the default), the residuals of
@@ -72,6 +74,8 @@ class Cast(Policy):
                                   "casts them elsewhere")
 
     def resolve(self, info: ResidualInfo) -> Policy | None:
+        if info.dtype == np.dtype(bool):
+            return MASK_BITS.resolve(info)
         narrower = np.dtype(self.dtype).itemsize < part_dtype(info.dtype).itemsize
         if not (worth_packing(info) and narrower):
             return None

@@ -17,6 +17,7 @@ from ..._policy import Policy, check_bool, check_int
 from .. import _fusion
 from .._complex import from_parts, is_complex, parts, parts_info
 from .._defaults import worth_packing
+from ..mask_bits import MASK_BITS
 from .checks import FP8, check_byte_scales, check_format, check_grid, checked_scale_dtype
 from .grid import SUPER, SUPER_SHARDED, byte_scale_values, fp8_codes, int_codes, int_values
 from .layout import fits_rows, layout_of
@@ -126,10 +127,11 @@ class Quantize(Policy):
 
     Built-in defaults: only floating-point residuals of at least `min_bytes` that are
     not kept alive anyway (`ResidualInfo.kept_alive`: weights, loop-invariant
-    operands) and are not row statistics are quantized. Residuals already in host
-    memory (offloaded by a `jax.checkpoint` policy inside the hooked function,
-    `ResidualInfo.in_host_memory`) are stored as they are: XLA does not compute on
-    them there. To quantize and offload, chain the two in that order,
+    operands) and are not row statistics are quantized; boolean masks of at least
+    `min_bytes` (a ReLU's) are stored as bits, exactly, beside the floats quantized. Residuals
+    already in host memory (offloaded by a `jax.checkpoint` policy inside the hooked
+    function, `ResidualInfo.in_host_memory`) are stored as they are: XLA does not
+    compute on them there. To quantize and offload, chain the two in that order,
     `Chain(Quantize(...), Offload())`.
 
     Args:
@@ -226,6 +228,8 @@ class Quantize(Policy):
         check_byte_scales(self.scale_dtype, self.format, self.bits)
 
     def resolve(self, info: ResidualInfo) -> Policy | None:
+        if info.dtype == np.dtype(bool) and info.nbytes >= self.min_bytes:
+            return MASK_BITS.resolve(info)
         if not worth_packing(info) or info.nbytes < self.min_bytes:
             return None
         if _is_row_statistic(info.shape):
