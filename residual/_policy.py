@@ -44,6 +44,9 @@ class Policy:
             is recomputed from), or `None` to recompute it whatever that stores.
         recomputes_through: for a recomputing policy, the primitives (by name) it
             may run again in the backward, or `None` for any.
+        beside_floats: whether the policy packs only beside floats that others pack
+            (`Cast` and `Quantize` store masks as bits so): where a hooked function
+            would pack nothing else, what it chose is stored as it is instead.
 
     Examples:
         >>> import dataclasses, jax.numpy as jnp, residual
@@ -61,6 +64,7 @@ class Policy:
     reads_twice: bool = False
     instead: Policy | None = None
     recomputes_through: frozenset[str] | None = None
+    beside_floats: bool = False
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement `pack(x, info)`.")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._policy import FunctionHooks, Policy
@@ -46,21 +46,25 @@ def decide(
     residual_vars = analysis.closed.jaxpr.outvars[analysis.num_outputs:]
     policies = [None if r.owned_by_inner else policy_for(r, base) for r in analysis.residuals]
     policies = [_storing(p) if by_a_loop(v) else p for p, v in zip(policies, residual_vars)]
-    args = (analysis, input_kinds, base, by_a_loop, higher_order, scope_prefix, in_scan)
-    decisions, plan = _decided(policies, *args)
-    packed = [d.policy for d in decisions if isinstance(d, Pack)]
-    if packed and all(getattr(p, "beside_floats", False) for p in packed):
-        # Masks alone (see `MaskBits`): kept as they are, as JAX keeps them.
-        masks = [None if getattr(p, "beside_floats", False) else p for p in policies]
-        decisions, plan = _decided(masks, *args)
+    decisions, plan = _decide_with(
+        policies, analysis, input_kinds, base, by_a_loop=by_a_loop,
+        higher_order=higher_order, scope_prefix=scope_prefix, in_scan=in_scan)
+    packed = [d.policy for d in decisions if isinstance(d, (Pack, RoundTrip))]
+    if packed and all(p.beside_floats for p in packed):
+        # Only masks would be packed (see `MaskBits`): kept as JAX keeps them.
+        without = [None if p is not None and p.beside_floats else p for p in policies]
+        decisions, plan = _decide_with(
+            without, analysis, input_kinds, base, by_a_loop=by_a_loop,
+            higher_order=higher_order, scope_prefix=scope_prefix, in_scan=in_scan)
     return decisions, plan
 
 
-def _decided(policies: list[Policy | None], analysis: Analysis,
-             input_kinds: Sequence[InputKind], base: Policy | None, by_a_loop: Any,
-             higher_order: bool, scope_prefix: Sequence[str], in_scan: bool,
-             ) -> tuple[list[Decision], RecomputePlan | None]:
-    """`decide`, for the residuals' `policies`."""
+def _decide_with(policies: list[Policy | None], analysis: Analysis,
+                 input_kinds: Sequence[InputKind], base: Policy | None, *,
+                 by_a_loop: Callable[[Any], bool], higher_order: bool,
+                 scope_prefix: Sequence[str], in_scan: bool,
+                 ) -> tuple[list[Decision], RecomputePlan | None]:
+    """`decide`, with each residual's policy chosen."""
     residuals = analysis.residuals
     derived = set() if higher_order else _derivable(residuals, policies)
     constants = {} if higher_order else _constants(residuals, policies)

@@ -120,7 +120,8 @@ def nothing_packed(records: list[Record], policy: Policy) -> str | None:
     for r in records:
         info = r.info
         if not jnp.issubdtype(info.dtype, jnp.inexact):
-            reason = "not floating point (indices, masks: never approximated)"
+            reason = ("not floating point (indices: never approximated; masks: as bits "
+                      "only beside packed floats)")
         elif info.kept_alive:
             reason = "alive anyway (inputs, weights: a packed copy would add memory)"
         elif info.in_host_memory:

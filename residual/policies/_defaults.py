@@ -11,7 +11,8 @@ def worth_packing(info: ResidualInfo) -> bool:
     """A real or complex floating-point residual whose storage packing can actually shrink.
 
     Not floating point (integers, booleans, indices): packing would change values
-    that are not meant to be approximated. Kept alive anyway (an input of the
+    that are not meant to be approximated (boolean masks are stored as bits,
+    exactly, by `MaskBits`). Kept alive anyway (an input of the
     outermost hooked function, such as a weight, or a scan body's loop-invariant or
     sliced operand): storing a packed copy would add memory, not save it. Already in
     host memory: packing would bring it back to the device to compute on it, and

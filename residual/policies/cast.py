@@ -24,9 +24,10 @@ class Cast(Policy):
     of about $2^{-8}$ per value; `jnp.float16` keeps more mantissa but overflows
     above 65504; the float8 dtypes quarter it with much larger error (prefer
     `Quantize(format="fp8_e4m3")`, which scales per group first). Residuals already
-    as narrow as `dtype`, those kept alive anyway (see `ResidualInfo.kept_alive`),
-    those already in host memory and other non-floating ones are stored unchanged,
-    but for boolean masks (a ReLU's), stored as bits beside the floats cast.
+    as narrow as `dtype`, non-floating ones, those kept alive anyway (see
+    `ResidualInfo.kept_alive`) and those already in host memory are stored unchanged;
+    boolean masks (a ReLU's) are stored as bits beside the floats it casts
+    (`MaskBits`).
     A complex residual is stored as its real and imaginary parts in `dtype`.
 
     In a program for a TPU (`elementwise="auto"`, the default), the residuals of

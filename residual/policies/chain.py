@@ -88,6 +88,9 @@ class Chain(Policy):
             # goes through the whole chain.
             if first.instead is not None:
                 return dataclasses.replace(first, instead=self)
+            if first.beside_floats:
+                # A mask as bits: exact, and so is what the rest does with it.
+                return Chain(first, *self.policies[1:])
             return first if first.recompute else self
         rest = self.policies[1:]
         return rest[0].resolve(info) if len(rest) == 1 else Chain(*rest).resolve(info)

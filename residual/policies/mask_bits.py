@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 import jax.numpy as jnp
 import numpy as np
@@ -33,10 +32,10 @@ class MaskBits(Policy):
     """
 
     lossless = True
-    beside_floats: ClassVar[bool] = True
+    beside_floats = True
 
     def resolve(self, info: ResidualInfo) -> Policy | None:
-        is_mask = info.dtype == np.dtype(bool) and info.size >= 8 and len(info.shape) > 0
+        is_mask = info.dtype == np.dtype(bool) and info.size >= 8
         if not is_mask or info.kept_alive or info.in_host_memory or info.devices > 1:
             return None
         return self

@@ -147,3 +147,14 @@ def test_masks_alone_are_not_packed_by_a_float_policy():
                               policy=rp.Cast(jnp.bfloat16, elementwise="pack"),
                               compiled=False)
     assert {m.how for m in _masks(report)} == {"packed"}, report
+
+
+def test_a_chain_passes_masks_on_as_bits_exactly():
+    # Exact, the mask is never derived again from the lossy floats beside it.
+    mask = ResidualInfo(0, (64, 64), np.dtype(bool), primitive="gt")
+    chain = rp.Chain(rp.Quantize(bits=8, min_bytes=0), rp.Offload())
+    resolved = chain.resolve(mask)
+    assert resolved.lossless and isinstance(resolved.policies[0], MaskBits)
+    ws, x = _conv_args()
+    report = residual.inspect(normalized_relu_convs, ws, x, policy=chain, compiled=False)
+    assert {m.how for m in _masks(report)} == {"packed"}, report
