@@ -128,6 +128,17 @@ def unrolled_mlp(ws, x):
     return jnp.sum(x**2)
 
 
+def normalized_relu_convs(ws, x):
+    """Convolutions (NHWC), each with a batch norm and a ReLU, whose mask `x > 0` is a
+    residual per layer."""
+    for w in ws:
+        h = lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        h = (h - h.mean((0, 1, 2))) * lax.rsqrt(h.var((0, 1, 2)) + 1e-5)
+        x = jax.nn.relu(h)
+    return jnp.mean(x**2)
+
+
 def mlp_params(layers=4, width=16, batch=8, seed=0, dtype=jnp.float32):
     k1, k2 = jax.random.split(jax.random.key(seed))
     ws = jax.random.normal(k1, (layers, width, width), dtype) / jnp.sqrt(width).astype(dtype)

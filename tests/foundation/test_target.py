@@ -26,6 +26,7 @@ from ..helpers import (
     RUNNING_PLATFORM,
     Negate,
     mlp_params,
+    normalized_relu_convs,
     offloading_y,
     scan_mlp,
     tree_equal,
@@ -557,15 +558,6 @@ def test_byte_scales_of_a_narrow_axis_are_not_padded_to_whole_tiles_on_a_tpu(bit
     assert peak.memory.peak <= 2 * plain.peak
 
 
-def _normalized_relu_convs(ws, x):
-    for w in ws:
-        h = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
-                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
-        h = (h - h.mean((0, 1, 2))) * jax.lax.rsqrt(h.var((0, 1, 2)) + 1e-5)
-        x = jax.nn.relu(h)
-    return jnp.mean(x**2)
-
-
 @needs_tpu
 @pytest.mark.slow
 def test_relu_masks_beside_cast_floats_are_stored_as_bits_on_a_tpu():
@@ -574,8 +566,8 @@ def test_relu_masks_beside_cast_floats_are_stored_as_bits_on_a_tpu():
     # plain's peak; 1.94x as bits). Here (v5e, jax 0.12.0.1) 1.59x kept, 1.25x as bits.
     ws = [jax.ShapeDtypeStruct((3, 3, 32, 32), jnp.float32)] * 2
     x = jax.ShapeDtypeStruct((16, 32, 32, 32), jnp.float32)
-    hooked = jax.grad(residual.with_hooks(_normalized_relu_convs, policy=rp.Cast(jnp.bfloat16)))
-    plain = residual.compiled_memory(jax.grad(_normalized_relu_convs), ws, x, target="v5e")
+    hooked = jax.grad(residual.with_hooks(normalized_relu_convs, policy=rp.Cast(jnp.bfloat16)))
+    plain = residual.compiled_memory(jax.grad(normalized_relu_convs), ws, x, target="v5e")
     assert residual.compiled_memory(hooked, ws, x, target="v5e").peak <= 1.4 * plain.peak
 
 

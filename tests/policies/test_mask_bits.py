@@ -14,21 +14,7 @@ import residual
 from residual import policies as rp
 from residual._info import ResidualInfo
 from residual.policies.mask_bits import MaskBits
-from tests.helpers import relative_error
-
-
-def _conv(x, w):
-    return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
-                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
-
-
-def normalized_relu_convs(ws, x):
-    """Conv, batch norm, ReLU: the ReLU's mask `x > 0` is a residual per layer."""
-    for w in ws:
-        h = _conv(x, w)
-        h = (h - h.mean((0, 1, 2))) * jax.lax.rsqrt(h.var((0, 1, 2)) + 1e-5)
-        x = jax.nn.relu(h)
-    return jnp.mean(x**2)
+from tests.helpers import normalized_relu_convs, relative_error
 
 
 def relu_layers(ws, x):
