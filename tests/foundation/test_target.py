@@ -364,27 +364,30 @@ def test_cast_recomputing_elementwise_keeps_a_tpu_gelu_mlp_at_plains_peak(dtype,
     assert peaks["auto"] == 1.0 if dtype == jnp.bfloat16 else peaks["auto"] <= 1.0, peaks
 
 
+def _bf16_tanh_mlp_summed_in_float32(ws, x):
+    for i in range(ws.shape[0]):
+        x = jnp.tanh(x @ ws[i])
+    return jnp.sum(x.astype(jnp.float32) ** 2)
+
+
 @needs_tpu
 @pytest.mark.slow
-def test_int4_recomputing_elementwise_keeps_a_tpu_bf16_mlp_under_plains_peak():
-    # By default int4 packs the last layer's tanh derivative and the loss's float32
-    # `2 * x` (recomputing the derivative alone would store as many bytes). Recomputing
-    # both (`elementwise="recompute"`), the last layer stores its bf16 output once, and
-    # both come back from it. Measured on v5e, jax 0.12.0.1: 1.15x plain's peak
-    # packed, 0.93x recomputed (8 layers of 1024 at batch 16,384: 1.56x and 1.00x).
-    ws = jax.ShapeDtypeStruct((8, 512, 512), jnp.bfloat16)
-    x = jax.ShapeDtypeStruct((2048, 512), jnp.bfloat16)
-
-    def model(ws, x):
-        for i in range(ws.shape[0]):
-            x = jnp.tanh(x @ ws[i])
-        return jnp.sum(x.astype(jnp.float32) ** 2)
-
+@pytest.mark.parametrize(("model", "dtype"), [(_bf16_tanh_mlp_summed_in_float32, jnp.bfloat16),
+                                              (_gelu_mlp, jnp.float32)])
+def test_int4_recomputes_float32_matrices_elementwise_and_stays_under_plain_on_a_tpu(
+        model, dtype):
+    # Packed, each float32 matrix's elementwise term groups down the rows with its
+    # own temporaries: the bf16 MLP's last tanh derivative and loss's `2 * x`, the
+    # GELU MLP's terms. Recomputed (the default), they come back from the layer's
+    # stored output. Measured on v5e, jax 0.12.0.1, as ratios to plain's peak:
+    # 1.15x packed and 0.93x recomputed (bf16), 1.35x and 0.96x (GELU).
+    ws = jax.ShapeDtypeStruct((8, 512, 512), dtype)
+    x = jax.ShapeDtypeStruct((2048, 512), dtype)
     plain = residual.compiled_memory(jax.grad(model), ws, x, target="v5e").peak
     peaks = {e: residual.compiled_memory(jax.grad(residual.with_hooks(
         model, policy=rp.Quantize(bits=4, elementwise=e))), ws, x, target="v5e").peak / plain
-        for e in ("auto", "recompute")}
-    assert peaks["auto"] > 1.05 and peaks["recompute"] < 0.95, peaks
+        for e in ("auto", "pack")}
+    assert peaks["pack"] > 1.1 and peaks["auto"] < 0.97, peaks
 
 
 def _iterated_gelu_mlp(ws, x):
@@ -468,12 +471,12 @@ def test_stacked_weights_written_slice_by_slice_under_explicit_sharding():
 @pytest.mark.parametrize(("policy", "target", "dtype", "recomputed"), [
     (rp.Quantize(bits=8), "v5e", jnp.float32, True),
     (rp.Quantize(format="fp8_e4m3"), "v5e", jnp.float32, True),
-    (rp.Quantize(bits=4), "v5e", jnp.float32, False),
+    (rp.Quantize(bits=4), "v5e", jnp.float32, True),
     (rp.Quantize(bits=4), "v5e", jnp.bfloat16, True),
     (rp.Quantize(bits=4), "v5e", jnp.float16, True),
     (rp.Quantize(bits=2), "v5e", jnp.bfloat16, True),
     (rp.Quantize(bits=2), "v5e", jnp.float16, True),
-    (rp.Quantize(bits=2), "v5e", jnp.float32, False),
+    (rp.Quantize(bits=2), "v5e", jnp.float32, True),
     (rp.Quantize(bits=4), "cpu", jnp.bfloat16, False),
     (rp.Quantize(bits=2), "cpu", jnp.bfloat16, False),
     (rp.Quantize(bits=8), "cpu", jnp.float32, False),
@@ -487,12 +490,27 @@ def test_stacked_weights_written_slice_by_slice_under_explicit_sharding():
 ])
 def test_policies_recompute_elementwise_residuals_by_default_on_a_tpu(
         policy, target, dtype, recomputed):
-    # On one chip 4- and 2-bit codes recompute on a TPU for 16-bit floats only.
+    # 4- and 2-bit codes of float32 recompute the matrices they group down the rows.
     ws, x = mlp_params(layers=2, width=256, batch=256, dtype=dtype)
     report = residual.inspect(_gelu_mlp, ws, x, policy=policy, target=target)
     hows = {r.how for r in report.rows if r.primitive != "dot_general"}
     assert ("recomputed" in hows) == recomputed, hows
     assert ("packed" in hows) == (not recomputed), hows
+
+
+@needs_tpu
+def test_int4_packs_float32_residuals_in_scan_bodies_on_one_tpu_chip():
+    # Scanned, the zoo's float32 transformers measure 0.45x to 0.47x plain's peak
+    # packed against 0.49x to 0.56x recomputed (v5e).
+    def scanned_gelu_mlp(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jax.nn.gelu(h @ w), None), x, ws)
+        return jnp.sum(h**2)
+
+    ws, x = mlp_params(layers=2, width=256, batch=256)
+    report = residual.inspect(scanned_gelu_mlp, ws, x, policy=rp.Quantize(bits=4),
+                              target="v5e", compiled=False)
+    hows = {r.how for r in report.rows if r.primitive != "dot_general"}
+    assert "packed" in hows and "recomputed" not in hows, hows
 
 
 @needs_tpu
@@ -707,9 +725,8 @@ def test_policies_on_a_data_parallel_tpu_slice_stay_at_plains_peak(model, policy
 @needs_tpu
 @pytest.mark.parametrize("bits", [4, 2])
 def test_low_bit_codes_of_float32_recompute_elementwise_residuals_on_a_tpu_slice(bits):
-    # On one chip 4- and 2-bit codes of float32 pack every residual
-    # (`test_policies_recompute_elementwise_residuals_by_default_on_a_tpu`);
-    # sharded over a slice's chips they recompute the elementwise ones.
+    # On one chip 4- and 2-bit codes of float32 recompute only the matrices they
+    # group down the rows; sharded over a slice's chips, every elementwise residual.
     _, (ws, x) = _data_parallel_on_a_slice(layers=2, width=256, batch=1024)
     report = residual.inspect(_gelu_mlp, ws, x, policy=rp.Quantize(bits=bits),
                               target="v5e:2x2", compiled=False)

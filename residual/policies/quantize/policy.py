@@ -120,10 +120,10 @@ class Quantize(Policy):
       TPU compilers fuse those chains and store little of them, so packing each one
       adds memory there. `elementwise="auto"` (the default) recomputes them in a
       program compiled for a TPU for 8-bit codes (int8, fp8), for 4- and 2-bit
-      codes of 16-bit floats, and at every width in a program partitioned over
-      several devices (`ResidualInfo.devices`); it packs every residual elsewhere,
-      and 4- and 2-bit codes of float32 on one chip. See the policies page for the
-      figures.
+      codes of 16-bit floats and of float32 matrices outside scan bodies, and at
+      every width in a program partitioned over several devices
+      (`ResidualInfo.devices`); it packs every residual elsewhere. See the policies
+      page for the figures.
 
     Built-in defaults: only floating-point residuals of at least `min_bytes` that are
     not kept alive anyway (`ResidualInfo.kept_alive`: weights, loop-invariant
@@ -149,8 +149,8 @@ class Quantize(Policy):
         grid: `"auto"` (a square grid for the groups it suits, 4- and 2-bit codes) or
             `"uniform"` (evenly spaced values only).
         elementwise: `"auto"` (recompute on a TPU for 8-bit codes, for 4- and
-            2-bit codes of 16-bit floats, and at every width on several devices;
-            else pack),
+            2-bit codes of 16-bit floats and of float32 matrices outside scan
+            bodies, and at every width on several devices; else pack),
             `"pack"` (every residual) or `"recompute"` (elementwise ones recomputed
             from the packed values).
 
@@ -219,8 +219,9 @@ class Quantize(Policy):
                                                           self.stochastic))
         check_grid(self.grid)
         _fusion.check_elementwise(self.elementwise, auto="recomputes them on a TPU for 8-bit "
-                                  "codes, and for 4- and 2-bit codes of 16-bit floats or on "
-                                  "several devices, and packs them elsewhere")
+                                  "codes, for 4- and 2-bit codes of 16-bit floats, of "
+                                  "float32 matrices outside scan bodies or on several "
+                                  "devices, and packs them elsewhere")
         if self.format != "int" and self.stochastic:
             raise ValueError(
                 "`stochastic=True` is implemented for `format='int'`; fp8 rounds to nearest."
@@ -244,8 +245,14 @@ class Quantize(Policy):
         v5e: 0.26x plain's recomputed, 0.64x packed), and for 4- and 2-bit codes of a
         16-bit float (int4 on a bf16 equinox transformer, 8 blocks of 512: 0.23x
         against 0.33x on v5e; 4 blocks of 512, v6e: 0.24x against 0.44x); it packs
-        it elsewhere. 4-bit codes of float32 on one chip keep packing: the zoo's transformers
-        measure 0.45x to 0.47x packed against 0.49x to 0.56x recomputed (v5e).
+        it elsewhere. 4- and 2-bit codes of float32 on one chip recompute the
+        matrices they group down the rows (`_by_rows`), each of which packed would
+        take the grouping's float and predicate temporaries in the forward (an
+        unrolled 8-layer GELU MLP, batch 4,096 x width 1,024: int4 1.00x plain's peak
+        recomputed against 1.39x packed on v5e, 1.01x against 1.69x on v6e), and pack
+        the rest: the flax Linen CNN's 4-D activations measure 1.13x packed against
+        1.55x recomputed, the zoo's scanned transformers 0.45x to 0.47x against 0.49x
+        to 0.56x (v5e).
         Recomputing is measured to cost the memory benchmarks' models nothing on CPU
         and H100, and at 4 bits the zoo's errors within half a point of packing's;
         the other backends' defaults wait for the whole zoo's figures.
@@ -263,7 +270,7 @@ class Quantize(Policy):
         """
         half_width = np.dtype(info.dtype).itemsize == 2
         return _fusion.recomputes(self.elementwise, auto=_fusion.for_a_tpu() and (
-            self._eight_bits or half_width or info.devices > 1))
+            self._eight_bits or half_width or info.devices > 1 or self._by_rows(info)))
 
     def _windows(self, sharded: bool) -> bool:
         """Whether groups reduce over windows of the residual as it lies (`Layout.reduce`):
