@@ -49,7 +49,8 @@ POLICIES = {
     "int4 g16 bytes": rp.Quantize(bits=4, group_size=16),
 }
 # For a TPU, whose default (on one chip, for float32) recomputes elementwise chains for
-# 8-bit codes and packs them at 4 bits: the other choice at each width.
+# 8-bit codes and, at 4 bits, packs those of residuals that are not matrices or lie in
+# scan bodies (the zoo's activations): the other choice at each width.
 ELEMENTWISE = {
     "int8 packed": rp.Quantize(bits=8, elementwise="pack"),
     "int4 recomputed": rp.Quantize(bits=4, elementwise="recompute"),

@@ -377,8 +377,9 @@ def _bf16_tanh_mlp_summed_in_float32(ws, x):
 def test_int4_recomputes_float32_matrices_elementwise_and_stays_under_plain_on_a_tpu(
         model, dtype):
     # Packed, each float32 matrix's elementwise term groups down the rows with its
-    # own temporaries: the bf16 MLP's last tanh derivative and loss's `2 * x`, the
-    # GELU MLP's terms. Recomputed (the default), they come back from the layer's
+    # own temporaries: the GELU MLP's terms, the loss's `2 * x` of the bf16 MLP (and
+    # with it that layer's bf16 tanh derivative, which recomputed alone would store
+    # as many bytes). Recomputed (the default), they come back from the layer's
     # stored output. Measured on v5e, jax 0.12.0.1, as ratios to plain's peak:
     # 1.15x packed and 0.93x recomputed (bf16), 1.35x and 0.96x (GELU).
     ws = jax.ShapeDtypeStruct((8, 512, 512), dtype)
@@ -387,7 +388,7 @@ def test_int4_recomputes_float32_matrices_elementwise_and_stays_under_plain_on_a
     peaks = {e: residual.compiled_memory(jax.grad(residual.with_hooks(
         model, policy=rp.Quantize(bits=4, elementwise=e))), ws, x, target="v5e").peak / plain
         for e in ("auto", "pack")}
-    assert peaks["pack"] > 1.1 and peaks["auto"] < 0.97, peaks
+    assert peaks["pack"] > 1.1 and peaks["auto"] < 1.0, peaks
 
 
 def _iterated_gelu_mlp(ws, x):
@@ -498,17 +499,24 @@ def test_policies_recompute_elementwise_residuals_by_default_on_a_tpu(
     assert ("packed" in hows) == (not recomputed), hows
 
 
-@needs_tpu
-def test_int4_packs_float32_residuals_in_scan_bodies_on_one_tpu_chip():
-    # Scanned, the zoo's float32 transformers measure 0.45x to 0.47x plain's peak
-    # packed against 0.49x to 0.56x recomputed (v5e).
-    def scanned_gelu_mlp(ws, x):
-        h, _ = jax.lax.scan(lambda h, w: (jax.nn.gelu(h @ w), None), x, ws)
-        return jnp.sum(h**2)
+def _scanned_gelu_mlp(ws, x):
+    h, _ = jax.lax.scan(lambda h, w: (jax.nn.gelu(h @ w), None), x, ws)
+    return jnp.sum(h**2)
 
-    ws, x = mlp_params(layers=2, width=256, batch=256)
-    report = residual.inspect(scanned_gelu_mlp, ws, x, policy=rp.Quantize(bits=4),
-                              target="v5e", compiled=False)
+
+@needs_tpu
+@pytest.mark.parametrize(("model", "x_shape"), [(_scanned_gelu_mlp, (256, 256)),
+                                                (_gelu_mlp, (4, 64, 256))],
+                         ids=["scan body", "three axes"])
+def test_int4_packs_float32_residuals_that_are_not_unscanned_matrices_on_one_tpu_chip(
+        model, x_shape):
+    # The zoo's float32 transformers measure 0.45x to 0.47x plain's peak packed
+    # against 0.49x to 0.56x recomputed when scanned, and the flax Linen CNN 1.13x
+    # against 1.55x (v5e).
+    ws, _ = mlp_params(layers=2, width=256, batch=256)
+    x = jax.random.normal(jax.random.key(1), x_shape)
+    report = residual.inspect(model, ws, x, policy=rp.Quantize(bits=4), target="v5e",
+                              compiled=False)
     hows = {r.how for r in report.rows if r.primitive != "dot_general"}
     assert "packed" in hows and "recomputed" not in hows, hows
 
@@ -725,13 +733,16 @@ def test_policies_on_a_data_parallel_tpu_slice_stay_at_plains_peak(model, policy
 @needs_tpu
 @pytest.mark.parametrize("bits", [4, 2])
 def test_low_bit_codes_of_float32_recompute_elementwise_residuals_on_a_tpu_slice(bits):
-    # On one chip 4- and 2-bit codes of float32 recompute only the matrices they
-    # group down the rows; sharded over a slice's chips, every elementwise residual.
+    # On one chip 4- and 2-bit codes of float32 in scan bodies pack every residual
+    # (`test_int4_packs_float32_residuals_that_are_not_unscanned_matrices_on_one_tpu_chip`);
+    # sharded over a slice's chips they recompute the elementwise ones.
     _, (ws, x) = _data_parallel_on_a_slice(layers=2, width=256, batch=1024)
-    report = residual.inspect(_gelu_mlp, ws, x, policy=rp.Quantize(bits=bits),
+    report = residual.inspect(_scanned_gelu_mlp, ws, x, policy=rp.Quantize(bits=bits),
                               target="v5e:2x2", compiled=False)
-    hows = {r.how for r in report.rows if r.primitive != "dot_general"}
-    assert "recomputed" in hows and "packed" not in hows, hows
+    # The body's elementwise residuals (its input and matmul outputs are packed).
+    elementwise = {r.how for r in report.rows
+                   if r.iterations > 1 and r.primitive not in (None, "dot_general")}
+    assert elementwise == {"recomputed"}, elementwise
 
 
 @needs_tpu

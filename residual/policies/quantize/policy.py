@@ -120,10 +120,11 @@ class Quantize(Policy):
       TPU compilers fuse those chains and store little of them, so packing each one
       adds memory there. `elementwise="auto"` (the default) recomputes them in a
       program compiled for a TPU for 8-bit codes (int8, fp8), for 4- and 2-bit
-      codes of 16-bit floats and of float32 matrices outside scan bodies, and at
-      every width in a program partitioned over several devices
-      (`ResidualInfo.devices`); it packs every residual elsewhere. See the policies
-      page for the figures.
+      codes of 16-bit floats and of float32 matrices (2-D) outside scan bodies, and
+      at every width in a program partitioned over several devices
+      (`ResidualInfo.devices`); it packs every other residual: on CPU and GPU, and on
+      one TPU chip 4- and 2-bit codes of float32 in scan bodies or not 2-D (a
+      transformer's or a CNN's activations). See the policies page for the figures.
 
     Built-in defaults: only floating-point residuals of at least `min_bytes` that are
     not kept alive anyway (`ResidualInfo.kept_alive`: weights, loop-invariant
@@ -219,9 +220,9 @@ class Quantize(Policy):
                                                           self.stochastic))
         check_grid(self.grid)
         _fusion.check_elementwise(self.elementwise, auto="recomputes them on a TPU for 8-bit "
-                                  "codes, for 4- and 2-bit codes of 16-bit floats, of "
-                                  "float32 matrices outside scan bodies or on several "
-                                  "devices, and packs them elsewhere")
+                                  "codes, for 4- and 2-bit codes of 16-bit floats or of "
+                                  "float32 matrices outside scan bodies, and for every "
+                                  "code on several devices, and packs them elsewhere")
         if self.format != "int" and self.stochastic:
             raise ValueError(
                 "`stochastic=True` is implemented for `format='int'`; fp8 rounds to nearest."
@@ -245,9 +246,9 @@ class Quantize(Policy):
         v5e: 0.26x plain's recomputed, 0.64x packed), and for 4- and 2-bit codes of a
         16-bit float (int4 on a bf16 equinox transformer, 8 blocks of 512: 0.23x
         against 0.33x on v5e; 4 blocks of 512, v6e: 0.24x against 0.44x); it packs
-        it elsewhere. 4- and 2-bit codes of float32 on one chip recompute the
-        matrices they group down the rows (`_by_rows`), each of which packed would
-        take the grouping's float and predicate temporaries in the forward (an
+        it elsewhere. 4- and 2-bit codes of float32 on one chip recompute matrices
+        (2-D) outside scan bodies (`_by_rows`), which they group down the rows, where
+        each packed term takes temporary float and mask arrays in the forward (an
         unrolled 8-layer GELU MLP, batch 4,096 x width 1,024: int4 1.00x plain's peak
         recomputed against 1.39x packed on v5e, 1.01x against 1.69x on v6e), and pack
         the rest: the flax Linen CNN's 4-D activations measure 1.13x packed against
