@@ -40,7 +40,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import make_single_device_sharding
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _models as models
@@ -177,8 +177,8 @@ def link_bandwidth(nbytes: int = 1 << 30) -> dict:
     """Bytes per second of copies between the device and pinned host memory."""
     device = jax.devices()[0]
     try:
-        host = SingleDeviceSharding(device, memory_kind="pinned_host")
-        on_device = SingleDeviceSharding(device, memory_kind="device")
+        host = make_single_device_sharding(device, memory_kind="pinned_host")
+        on_device = make_single_device_sharding(device, memory_kind="device")
         x = jax.block_until_ready(jnp.ones(nbytes // 4, jnp.float32))
         copied = jax.block_until_ready(jax.device_put(x, host))
         times = {"to_host": [], "to_device": []}

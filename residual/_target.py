@@ -33,7 +33,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, make_single_device_sharding
 
 from . import _jax_private as jp
 from ._errors import TargetUnavailableError
@@ -193,7 +193,7 @@ class Target:
         if isinstance(sharding, NamedSharding):
             placed = NamedSharding(self._mesh(sharding.mesh), sharding.spec, memory_kind=kind)
         elif sharding is None or len(sharding.device_set) == 1:
-            placed = (SingleDeviceSharding(self.devices[0], memory_kind=kind) if mesh is None
+            placed = (make_single_device_sharding(self.devices[0], memory_kind=kind) if mesh is None
                       else NamedSharding(mesh, PartitionSpec(), memory_kind=kind))
         else:
             raise TypeError(

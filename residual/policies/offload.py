@@ -6,7 +6,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import make_single_device_sharding
 
 from .. import _jax_private as jp
 from .._engine.ordering import devices_spanned, several_devices
@@ -115,7 +115,7 @@ class Offload(Policy):
             # unpinned host memory inside `jit` stays on the device.
             return jax.memory.Space.Host
         if not several_devices([x]):
-            return SingleDeviceSharding(device, memory_kind=self.memory_kind)
+            return make_single_device_sharding(device, memory_kind=self.memory_kind)
         # Traced with several devices, JAX has no transfer to unpinned memory that
         # keeps each shard where it is (`jax.memory.Space` names pinned host memory
         # only), and a one-device sharding would pull every shard onto one device.
