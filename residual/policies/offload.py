@@ -97,10 +97,10 @@ class Offload(Policy):
         return jax.device_put(x, self._host(x))
 
     def unpack(self, packed: jnp.ndarray, info: ResidualInfo) -> jnp.ndarray:
-        if _concrete(packed):
-            value = jax.device_put(packed, packed.sharding.with_memory_kind("device"))
-        else:
-            value = jax.device_put(packed, jax.memory.Space.Device)
+        # `Space.Device` keeps the sharding, traced or not. (jax 0.12.1's CPU client
+        # refuses an eager copy to `sharding.with_memory_kind("device")` of an array
+        # in pinned host memory: "Unsupported layout ... S(5)".)
+        value = jax.device_put(packed, jax.memory.Space.Device)
         return value if value.dtype == info.dtype else value.astype(info.dtype)
 
     def _host(self, x):
