@@ -14,8 +14,10 @@ from .._policy import Policy
 class Identity(Policy):
     """Stores every residual unchanged: `pack` and `unpack` are the identity.
 
-    Gradients are bit-identical to plain `jax.grad`, and the compiled program uses the
-    same memory. Useful as the "keep" branch of `select`, and as a baseline.
+    Gradients are plain `jax.grad`'s: the same operations (bit-identical run one at a
+    time; compiled, XLA may sum a reduction in another order, a difference in the last
+    bits), and the compiled program uses the same memory. Useful as the "keep" branch
+    of `select`, and as a baseline.
 
     Examples:
         >>> import jax, jax.numpy as jnp, residual

@@ -262,12 +262,32 @@ def _assert_identical_gradients(ops, got, expected, dtype):
 
 
 @given(cases())
-def test_identity_hooks_are_bit_identical_eager_and_jit(case):
+def test_identity_hooks_compute_what_jax_grad_computes(case):
     ops, shape, dtype, seed = case
     f, args = _loss(ops), _inputs(shape, dtype, seed)
     g = residual.with_hooks(f, _identity, _identity)
-    _assert_identical_gradients(ops, _grad(g)(*args), _grad(f)(*args), dtype)
-    _assert_identical_gradients(ops, jax.jit(_grad(g))(*args), jax.jit(_grad(f))(*args), dtype)
+    # One operation at a time, the same operations: the same bits. (A scan of no rows
+    # does not run so; nor is there anything to compare.)
+    if all(a.size for a in args):
+        with jax.disable_jit():
+            _assert_identical_gradients(ops, _grad(g)(*args), _grad(f)(*args), dtype)
+    # Compiled (under `jit`, and eagerly where JAX compiles a function such as
+    # `jnp.einsum` whole), XLA fuses the hooked program its own way and may sum a
+    # reduction in another order: an `einsum` then `sin` differs in the last bits.
+    _close(_grad(g)(*args), _grad(f)(*args), TOL[dtype])
+    _close(jax.jit(_grad(g))(*args), jax.jit(_grad(f))(*args), TOL[dtype])
+
+
+def test_compiled_identity_hooks_may_differ_from_jax_grad_in_the_last_bits_only():
+    # The smallest program the fuzzer found where XLA sums differently (every JAX in CI).
+    f, args = _loss(("einsum", "sin")), _inputs((2, 5), jnp.float32, 0)
+    g = residual.with_hooks(f, _identity, _identity)
+    with jax.disable_jit():
+        assert _same(_grad(g)(*args), _grad(f)(*args))
+    got, expected = jax.jit(_grad(g))(*args), jax.jit(_grad(f))(*args)
+    for a, b in zip(got, expected):
+        ulps = np.abs(np.asarray(a).view(np.int32) - np.asarray(b).view(np.int32))
+        assert ulps.max() <= 16, ulps
 
 
 def test_loop_invariant_cotangents_differ_in_summation_order_only():
@@ -405,14 +425,18 @@ def test_quantize_round_trip_error_is_the_documented_half_step(rt, seed):
 
 
 @given(cases(dtypes=[jnp.float64]))
-def test_float64_with_x64_identity_hooks_are_bit_identical(case):
+def test_float64_with_x64_identity_hooks_compute_what_jax_grad_computes(case):
     ops, shape, _, seed = case
     with jax.enable_x64(True):
         f = _loss(ops)
         args = _inputs(shape, jnp.float64, seed)
         g = residual.with_hooks(f, _identity, _identity)
+        if all(a.size for a in args):
+            with jax.disable_jit():
+                _assert_identical_gradients(ops, _grad(g)(*args), _grad(f)(*args),
+                                            jnp.float64)
         got, expected = jax.jit(_grad(g))(*args), jax.jit(_grad(f))(*args)
         assert got[0].dtype == jnp.float64
-        _assert_identical_gradients(ops, got, expected, jnp.float64)
+        _close(got, expected, TOL[jnp.float64])
         _close(jax.jit(_grad(residual.with_hooks(f, policy=rp.Remat())))(*args), expected,
                TOL[jnp.float64])

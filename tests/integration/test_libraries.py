@@ -242,12 +242,14 @@ def test_flax_nnx_emits_no_scopes_but_source_globs_select_its_layers():
     assert picked and len(picked) < len(chosen)
     assert all(row.primitive != "dot_general" for row in picked)
     # A rule on the user's method picks what the flax layers it calls compute: the
-    # norms, the attention's softmax, the MLP.
+    # norms, the attention's softmax, the MLP. The softmax saves its `exp`, or (JAX's
+    # `jax_softmax_custom_jvp`, the default from jax 0.12.1) its probabilities, a `div`.
     block = rp.select([(rp.where(source="*(NnxBlock.__call__)"), BF16)])
     chosen = residual.inspect(loss, state, x, policy=block, compiled=False).rows
     in_block = [row for row in chosen if row.policy != "-"]
     assert len(in_block) > len(picked)
-    assert {"exp", "rsqrt"} <= {row.primitive for row in in_block}
+    softmax = "div" if jax.config.jax_softmax_custom_jvp else "exp"
+    assert {softmax, "rsqrt"} <= {row.primitive for row in in_block}
 
 
 # flax Linen: a CNN with BatchNorm, its statistics updated with `mutable=["batch_stats"]`.
@@ -329,10 +331,10 @@ def test_haiku_transformer_with_state_and_dropout_matches_plain_grad(remat):
     loss, args = haiku_model(remat)
     # Identity hooks compile to a few hundred bytes more memory (beyond arguments and
     # outputs: XLA:CPU's temp) than plain here (140112 vs 139904 bytes without
-    # `hk.remat`, 64784 vs 64640 with it). With
+    # `hk.remat`, 64784 vs 64640 with it; on jax 0.12.1, 66000 vs 65216). With
     # `hk.remat`, jax 0.11 fuses the rematerialized body differently around the hooks:
     # a few gradient entries differ in the last bit (1e-7 relative).
-    check_against_plain(loss, *args, memory_slack=1.01, identity_error=1e-6 if remat else 0.0)
+    check_against_plain(loss, *args, memory_slack=1.02, identity_error=1e-6 if remat else 0.0)
 
 
 def test_haiku_modules_are_scopes():
