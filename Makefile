@@ -8,17 +8,22 @@ PYTHON ?= $(or $(PYTHON312),python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# The older JAX releases `make test-jax` tests besides .venv's, and the Python each needs.
-JAX_VENVS := .venv-jax010 .venv-jax011
+# The other JAX releases `make test-jax` tests besides .venv's, and the Python each needs:
+# the oldest, the middle, and the newest pip gives without the `tpu` and `cuda` extras
+# (whose libtpu and CUDA plugin builds come out after it, so .venv still resolves 0.12.0.1).
+JAX_VENVS := .venv-jax010 .venv-jax011 .venv-jax0121
 jax_version.venv-jax010 := 0.10.2
 jax_version.venv-jax011 := 0.11.2
+jax_version.venv-jax0121 := 0.12.1
 python.venv-jax010 := python3
 python.venv-jax011 := $(or $(PYTHON312),python3.12)
+python.venv-jax0121 := $(or $(PYTHON312),python3.12)
 # The oldest flax each JAX release runs: the NNX tests run a second time on it, after
 # the suite has run on the newest flax pip gives.
 flax_oldest.venv := 0.12.10
 flax_oldest.venv-jax010 := 0.12.7
 flax_oldest.venv-jax011 := 0.12.10
+flax_oldest.venv-jax0121 := 0.12.10
 DEMO_STAMP := $(VENV)/.installed-demo
 # pytest-xdist workers for the tests: one per core; `0` runs them in pytest's own process
 # (as `make -j2 test-jax` does in CI, where the two suites already share the cores).
@@ -31,7 +36,7 @@ PYTEST_WORKERS ?= auto
 export ALLOW_MULTIPLE_LIBTPU_LOAD := 1
 export JAX_SKIP_CUDA_CONSTRAINTS_CHECK := 1
 
-.PHONY: demo test suite test-jax suite-.venv-jax010 suite-.venv-jax011 suite-upgrade-flags lint docs bench bench-gpu clean
+.PHONY: demo test suite test-jax suite-.venv-jax010 suite-.venv-jax011 suite-.venv-jax0121 suite-upgrade-flags lint docs bench bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -95,9 +100,9 @@ suite: $(STAMP)
 	$(call suite,$(VENV))
 	$(call flax_oldest,$(VENV))
 
-# The oldest and the middle JAX release, and the newest once more with JAX's upgrade
-# flags on; `make -j2 test-jax` runs them two at a time.
-test-jax: suite-.venv-jax010 suite-.venv-jax011 suite-upgrade-flags
+# The oldest and the middle JAX release, .venv's once more with JAX's upgrade flags on,
+# and the newest without the extras; `make -j2 test-jax` runs them two at a time.
+test-jax: suite-.venv-jax010 suite-.venv-jax011 suite-upgrade-flags suite-.venv-jax0121
 
 suite-.venv-jax010: .venv-jax010/.installed
 	$(call compat_suite,.venv-jax010)
@@ -106,6 +111,13 @@ suite-.venv-jax010: .venv-jax010/.installed
 suite-.venv-jax011: .venv-jax011/.installed
 	$(call compat_suite,.venv-jax011)
 	$(call flax_oldest,.venv-jax011)
+
+# The newest release: the tests and doctests, and the multi-device tests (those that
+# compile for a TPU or a GPU skip: this venv has no libtpu or CUDA plugin).
+suite-.venv-jax0121: .venv-jax0121/.installed
+	@.venv-jax0121/bin/python -c "import jax, sys; print(f'== jax {jax.__version__}, Python {sys.version.split()[0]}, the whole suite')"
+	.venv-jax0121/bin/python -m pytest -n $(PYTEST_WORKERS) --durations=5 residual tests docs
+	.venv-jax0121/bin/python -m pytest tests/integration/multidevice
 
 # JAX's opt-in flags that are to become its defaults and that plain `jax.grad` can
 # differentiate under (not `jax_scan3` yet): the day JAX flips one, these tests have
