@@ -14,10 +14,11 @@ from .._policy import Policy
 class Identity(Policy):
     """Stores every residual unchanged: `pack` and `unpack` are the identity.
 
-    Gradients are plain `jax.grad`'s: the same operations (bit-identical run one at a
-    time; compiled, XLA may sum a reduction in another order, a difference in the last
-    bits), and the compiled program uses the same memory. Useful as the "keep" branch
-    of `select`, and as a baseline.
+    Gradients are plain `jax.grad`'s, from the same operations: bit-identical run one
+    operation at a time, but in loops (docs/limitations.md); compiled, XLA may sum a
+    reduction in another order, a difference in the last bits. The compiled program
+    stores what plain `jax.grad`'s does. Useful as the "keep" branch of `select`, and
+    as a baseline.
 
     Examples:
         >>> import jax, jax.numpy as jnp, residual

@@ -184,8 +184,9 @@ def _loss(ops):
 
 SHAPES = [(), (0,), (1,), (3,), (2, 5), (4, 0), (0, 3), (1, 3, 4)]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
-# About ten rounding steps of each dtype: remat recomputes, and XLA may fuse the
-# recomputation at higher precision than the stored float16 residual.
+# Relative to the largest entry (`_close`): 5 to 100 rounding steps of each dtype
+# (float32's 1e-5 is 84): remat recomputes, XLA may fuse the recomputation at higher
+# precision than the stored float16 residual, and sums in its own order.
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 1e-2, jnp.float64: 1e-12}
 
 
@@ -246,7 +247,7 @@ LOOPS = ("scan_carry", "scan_rows", "fori")
 
 
 def _assert_identical_gradients(ops, got, expected, dtype):
-    """Bit-identical, but for the one documented difference (docs/limitations.md).
+    """Bit-identical, run one operation at a time, but for loops (docs/limitations.md).
 
     A loop is rebuilt with a hooked body, whose backward sums the cotangent of an
     operand it reads (`w`, closed over or sliced per row) before the loop adds it to
@@ -266,8 +267,9 @@ def test_identity_hooks_compute_what_jax_grad_computes(case):
     ops, shape, dtype, seed = case
     f, args = _loss(ops), _inputs(shape, dtype, seed)
     g = residual.with_hooks(f, _identity, _identity)
-    # One operation at a time, the same operations: the same bits. (A scan of no rows
-    # does not run so; nor is there anything to compare.)
+    # One operation at a time, the same operations: the same bits. (`lax.scan` of no
+    # rows raises under `disable_jit`, its output type unknown; empty inputs have no
+    # values to compare anyway.)
     if all(a.size for a in args):
         with jax.disable_jit():
             _assert_identical_gradients(ops, _grad(g)(*args), _grad(f)(*args), dtype)
@@ -279,15 +281,17 @@ def test_identity_hooks_compute_what_jax_grad_computes(case):
 
 
 def test_compiled_identity_hooks_may_differ_from_jax_grad_in_the_last_bits_only():
-    # The smallest program the fuzzer found where XLA sums differently (every JAX in CI).
+    # The smallest program the fuzzer found where XLA sums differently (jax 0.12.0.1 and
+    # 0.12.1): up to 8 units in the last place of the largest entry, measured. The day
+    # XLA compiles both alike this fails, and docs/limitations.md is to say so.
     f, args = _loss(("einsum", "sin")), _inputs((2, 5), jnp.float32, 0)
     g = residual.with_hooks(f, _identity, _identity)
     with jax.disable_jit():
         assert _same(_grad(g)(*args), _grad(f)(*args))
     got, expected = jax.jit(_grad(g))(*args), jax.jit(_grad(f))(*args)
-    for a, b in zip(got, expected):
-        ulps = np.abs(np.asarray(a).view(np.int32) - np.asarray(b).view(np.int32))
-        assert ulps.max() <= 16, ulps
+    ulps = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))
+                  / np.spacing(np.max(np.abs(np.asarray(b))))) for a, b in zip(got, expected)]
+    assert 0 < max(ulps) <= 16, ulps
 
 
 def test_loop_invariant_cotangents_differ_in_summation_order_only():

@@ -249,7 +249,9 @@ def test_flax_nnx_emits_no_scopes_but_source_globs_select_its_layers():
     in_block = [row for row in chosen if row.policy != "-"]
     assert len(in_block) > len(picked)
     softmax = "div" if jax.config.jax_softmax_custom_jvp else "exp"
-    assert {softmax, "rsqrt"} <= {row.primitive for row in in_block}
+    # Attention weights: [batch, heads, queries, keys].
+    assert any(row.primitive == softmax and row.shape[-2:] == (8, 8) for row in in_block)
+    assert "rsqrt" in {row.primitive for row in in_block}
 
 
 # flax Linen: a CNN with BatchNorm, its statistics updated with `mutable=["batch_stats"]`.
@@ -331,10 +333,11 @@ def test_haiku_transformer_with_state_and_dropout_matches_plain_grad(remat):
     loss, args = haiku_model(remat)
     # Identity hooks compile to a few hundred bytes more memory (beyond arguments and
     # outputs: XLA:CPU's temp) than plain here (140112 vs 139904 bytes without
-    # `hk.remat`, 64784 vs 64640 with it; on jax 0.12.1, 66000 vs 65216). With
+    # `hk.remat`, 64784 vs 64640 with it, and 66000 vs 65216 with it on jax 0.12.1). With
     # `hk.remat`, jax 0.11 fuses the rematerialized body differently around the hooks:
     # a few gradient entries differ in the last bit (1e-7 relative).
-    check_against_plain(loss, *args, memory_slack=1.02, identity_error=1e-6 if remat else 0.0)
+    check_against_plain(loss, *args, memory_slack=1.02 if remat else 1.01,
+                        identity_error=1e-6 if remat else 0.0)
 
 
 def test_haiku_modules_are_scopes():

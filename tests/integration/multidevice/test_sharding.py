@@ -118,6 +118,18 @@ def test_byte_scales_keep_to_shards_of_64_columns(bits):
         assert _relative(g, e) < (0.06 if bits == 4 else 0.25)
 
 
+@pytest.mark.parametrize("layout", ["data", "tensor"])
+@pytest.mark.parametrize("memory_kind", ["pinned_host", "unpinned_host"])
+def test_eager_offload_brings_each_shard_back_where_it_was(layout, memory_kind):
+    _, params, x = _setup(layout)
+    got = jax.grad(residual.with_hooks(mlp, policy=rp.Offload(memory_kind)))(params, x)
+    expected = jax.grad(mlp)(params, x)
+    for g, e in zip(got, expected):
+        assert g.sharding.is_equivalent_to(e.sharding, g.ndim)
+        assert g.sharding.memory_kind == "device"
+        assert _relative(g, e) < 1e-6
+
+
 @pytest.mark.parametrize("policy", [rp.Quantize(bits=8), rp.Offload()], ids=repr)
 def test_a_scanned_tensor_parallel_step_issues_plains_collectives_per_step(policy):
     mesh, params, x = _setup("tensor", 512, width=256)
