@@ -1,16 +1,17 @@
 # `make demo` and `make test` each set themselves up from nothing: they create
 # .venv when it is missing and install the package with its extras into it.
-# `make test-jax` does the same for the older JAX releases, each in a venv of its own.
-# .venv runs the newest JAX pip gives (what users get), which needs Python 3.12; pyenv
-# keeps it on these machines. Without it, .venv falls back to python3.
+# `make test-jax` does the same for the other JAX releases, each in a venv of its own.
+# .venv runs the newest JAX pip gives with the `tpu` and `cuda` extras, which needs
+# Python 3.12; pyenv keeps it on these machines. Without it, .venv falls back to python3.
 PYTHON312 ?= $(or $(lastword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12.*/bin/python)),$(shell command -v python3.12 2>/dev/null))
 PYTHON ?= $(or $(PYTHON312),python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The other JAX releases `make test-jax` tests besides .venv's, and the Python each needs:
-# the oldest, the middle, and the newest pip gives without the `tpu` and `cuda` extras
-# (whose libtpu and CUDA plugin builds come out after it, so .venv still resolves 0.12.0.1).
+# the oldest, the middle, and the newest pip gives without the `tpu` and `cuda` extras.
+# jax 0.12.1's libtpu and CUDA plugin are not on PyPI (2026-12-06), so .venv resolves
+# 0.12.0.1; once they are, .venv-jax0121 repeats .venv and is to move to the next release.
 JAX_VENVS := .venv-jax010 .venv-jax011 .venv-jax0121
 jax_version.venv-jax010 := 0.10.2
 jax_version.venv-jax011 := 0.11.2
@@ -26,7 +27,7 @@ flax_oldest.venv-jax011 := 0.12.10
 flax_oldest.venv-jax0121 := 0.12.10
 DEMO_STAMP := $(VENV)/.installed-demo
 # pytest-xdist workers for the tests: one per core; `0` runs them in pytest's own process
-# (as `make -j2 test-jax` does in CI, where the two suites already share the cores).
+# (as `make -j2 test-jax-compat` does in CI, where the two suites already share the cores).
 PYTEST_WORKERS ?= auto
 
 # Compiling for TPUs and GPUs that are not here (`target=`,
@@ -36,7 +37,7 @@ PYTEST_WORKERS ?= auto
 export ALLOW_MULTIPLE_LIBTPU_LOAD := 1
 export JAX_SKIP_CUDA_CONSTRAINTS_CHECK := 1
 
-.PHONY: demo test suite test-jax suite-.venv-jax010 suite-.venv-jax011 suite-.venv-jax0121 suite-upgrade-flags lint docs bench bench-gpu clean
+.PHONY: demo test suite test-jax test-jax-compat suite-.venv-jax010 suite-.venv-jax011 suite-.venv-jax0121 suite-upgrade-flags lint docs bench bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -100,9 +101,12 @@ suite: $(STAMP)
 	$(call suite,$(VENV))
 	$(call flax_oldest,$(VENV))
 
-# The oldest and the middle JAX release, .venv's once more with JAX's upgrade flags on,
-# and the newest without the extras; `make -j2 test-jax` runs them two at a time.
-test-jax: suite-.venv-jax010 suite-.venv-jax011 suite-upgrade-flags suite-.venv-jax0121
+# The JAX-dependent tests on the oldest and the middle JAX release and on .venv's once
+# more with JAX's upgrade flags on (`make -j2 test-jax-compat PYTEST_WORKERS=0` runs them
+# two at a time), then the whole suite on the newest release without the extras.
+test-jax: test-jax-compat suite-.venv-jax0121
+
+test-jax-compat: suite-.venv-jax010 suite-.venv-jax011 suite-upgrade-flags
 
 suite-.venv-jax010: .venv-jax010/.installed
 	$(call compat_suite,.venv-jax010)
@@ -112,12 +116,14 @@ suite-.venv-jax011: .venv-jax011/.installed
 	$(call compat_suite,.venv-jax011)
 	$(call flax_oldest,.venv-jax011)
 
-# The newest release: the tests and doctests, and the multi-device tests (those that
-# compile for a TPU or a GPU skip: this venv has no libtpu or CUDA plugin).
+# The newest release: the tests, doctests and multi-device tests, then the flax NNX
+# tests on the oldest flax. This venv has no libtpu or CUDA plugin: the tests that
+# compile for a TPU or a GPU skip, and the notebooks, one of which does, are left out.
 suite-.venv-jax0121: .venv-jax0121/.installed
-	@.venv-jax0121/bin/python -c "import jax, sys; print(f'== jax {jax.__version__}, Python {sys.version.split()[0]}, the whole suite')"
+	@.venv-jax0121/bin/python -c "import jax, sys; print(f'== jax {jax.__version__}, Python {sys.version.split()[0]}, the tests')"
 	.venv-jax0121/bin/python -m pytest -n $(PYTEST_WORKERS) --durations=5 residual tests docs
 	.venv-jax0121/bin/python -m pytest tests/integration/multidevice
+	$(call flax_oldest,.venv-jax0121)
 
 # JAX's opt-in flags that are to become its defaults and that plain `jax.grad` can
 # differentiate under (not `jax_scan3` yet): the day JAX flips one, these tests have
