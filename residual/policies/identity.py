@@ -15,8 +15,8 @@ class Identity(Policy):
     """Stores every residual unchanged: `pack` and `unpack` are the identity.
 
     Gradients are plain `jax.grad`'s, from the same operations: bit-identical run one
-    operation at a time, but in loops (docs/limitations.md); compiled, XLA may sum a
-    reduction in another order, a difference in the last bits. The compiled program
+    operation at a time, but in loops and `lax.cond` (docs/limitations.md); compiled,
+    XLA may sum a reduction in another order, a difference in the last bits. The compiled program
     stores what plain `jax.grad`'s does. Useful as the "keep" branch of `select`, and
     as a baseline.
 
