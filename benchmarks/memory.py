@@ -10,6 +10,7 @@ body for comparison. Compile-only: nothing is run, so any target compiles here.
     python benchmarks/memory.py --target v5e    # a TPU v5e (pip install 'residual[tpu]')
     python benchmarks/memory.py --target h100   # an H100 (residual[cuda], JAX_PLATFORMS=cpu)
     python benchmarks/memory.py --small         # a quick run
+    python benchmarks/memory.py --layers 32     # deeper MLPs: stored activations dominate
     python benchmarks/memory.py --markdown      # also the docs' table, peak / beyond
     python benchmarks/memory.py --policies "Quantize int4"   # only these rows
 
@@ -147,11 +148,11 @@ def measure_vmap(ws, x, target=None) -> int:
 
 
 def main(small: bool, target: str | None = None, markdown: bool = False,
-         batch: int | None = None) -> int:
+         batch: int | None = None, layers: int | None = None) -> int:
     where = f"compiled for {target}" if target else f"{jax.devices()[0].platform}"
     print(f"jax {jax.__version__}, {where}")
-    layers, default_batch, width = (8, 512, 256) if small else (8, 4096, 1024)
-    batch = batch or default_batch
+    default_layers, default_batch, width = (8, 512, 256) if small else (8, 4096, 1024)
+    batch, layers = batch or default_batch, layers or default_layers
     blocks, t_width, seq, t_batch = (4, 128, 64, 4) if small else (4, 256, 256, 16)
     checkpoints = [
         ("jax.checkpoint nothing", models.checkpointed_scan_mlp(
@@ -264,6 +265,9 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=None,
                         help="the MLPs' batch (default 4096): larger, the working values "
                         "outgrow a TPU's on-chip memory and device memory sets the peak")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="the MLPs' layers (default 8): more, and the stored "
+                        "activations are more of the peak")
     parser.add_argument("--policies", nargs="+", metavar="LABEL",
                         help="measure only these rows, e.g. 'Quantize int4' (no target "
                         "is checked then)")
@@ -275,4 +279,4 @@ if __name__ == "__main__":
             parser.error(f"unknown rows {sorted(unknown)}; the rows are {list(POLICIES)} "
                          "and 'jax.checkpoint nothing', 'jax.checkpoint dots'")
         ONLY = set(args.policies)
-    raise SystemExit(main(args.small, args.target, args.markdown, args.batch))
+    raise SystemExit(main(args.small, args.target, args.markdown, args.batch, args.layers))
