@@ -696,6 +696,26 @@ def test_fsdp_shares_the_forwards_gathered_weights_on_a_tpu_slice(policy):
         "all-gather": got["all-gather"]}, (got, plain)
 
 
+@needs_tpu
+def test_fsdp_int8_gathers_each_weight_as_plain_does_on_a_tpu_slice():
+    # The weights split over 4 chips, the batch too. Grouped along the last axis, the
+    # packed activations' grouping reshape was folded by XLA into the matmul that
+    # made them, which then read its weight reshaped: gathered a second time (4
+    # all-gathers against 3). Down the rows, each chip's rows are whole groups.
+    where = _target.resolve("v5e:2x2")
+    mesh = Mesh(np.array(where.devices), ("data",))
+    ws = jax.ShapeDtypeStruct((3, 512, 512), jnp.float32,
+                              sharding=NamedSharding(mesh, P(None, "data")))
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+
+    def counts(f):
+        with where.tracing():
+            return residual.collectives(jax.jit(jax.grad(f)).lower(ws, x).compile())
+
+    hooked = residual.with_hooks(unrolled_mlp, policy=rp.Quantize(bits=8))
+    assert counts(hooked) == counts(unrolled_mlp)
+
+
 def _data_parallel_on_a_slice(layers: int, width: int, batch: int):
     """The slice v5e:2x2 and `(ws, x)` for it: weights replicated, the batch split."""
     where = _target.resolve("v5e:2x2")

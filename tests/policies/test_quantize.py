@@ -19,6 +19,7 @@ from residual import policies as rp
 from residual._inspect.analysis import _label
 from residual.policies import _fusion
 from residual.policies._fusion import ELEMENTWISE
+from residual.policies.quantize import policy as quantize_policy
 from tests.helpers import (
     SPLIT_K_SCRATCH,
     beyond_bytes,
@@ -846,6 +847,30 @@ def test_tpu_int8_codes_group_down_the_rows_outside_scans():
     assert rp.Quantize(bits=4).pack(half, _info(half))["scale"].shape == (256, 4)
     assert rp.Quantize(bits=4).pack(tokens, _info(tokens))["scale"].shape == (2, 128, 4)
     assert rp.Quantize(format="fp8_e4m3").pack(x, _info(x))["scale"].shape == (256, 2)
+
+
+@pytest.mark.usefixtures("tpu_layouts")
+def test_tpu_int8_codes_of_a_sharded_residual_group_down_the_rows_in_whole_groups(
+        monkeypatch):
+    # On several devices the rows are grouped over windows (no reshape for XLA to
+    # fold into a matmul), where however they are split every device holds whole
+    # groups: the codes, statistics and values of one device's groups, bit for bit.
+    scales = 1000.0 ** (jnp.arange(128) % 3).astype(jnp.float32)
+    x = jax.random.normal(jax.random.key(14), (512, 128)) * scales
+    x = x.at[70, 5].set(jnp.nan).at[300, 9].set(-jnp.inf)
+    one_packed, one_values = _round_trip(rp.Quantize(bits=8), x)
+    monkeypatch.setattr(quantize_policy, "devices_spanned", lambda values: 8)
+    monkeypatch.setattr(quantize_policy, "several_devices", lambda values: True)
+    packed, values = _round_trip(rp.Quantize(bits=8), x)
+    assert packed["scale"].shape == one_packed["scale"].shape == (8, 128)
+    for key in one_packed:
+        np.testing.assert_array_equal(packed[key], one_packed[key], err_msg=key)
+    np.testing.assert_array_equal(values, one_values)
+    # 256 rows over 8 devices could be 32 a device, half a group: along the last axis.
+    half = x[:256]
+    assert rp.Quantize(bits=8).pack(half, _info(half))["scale"].shape == (256, 2)
+    # 4-bit codes keep the last axis on several devices.
+    assert rp.Quantize(bits=4).pack(x, _info(x))["scale"].shape == (512, 4)
 
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])

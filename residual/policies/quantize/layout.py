@@ -174,9 +174,13 @@ def layout_of(shape: tuple[int, ...], group_size: int, windows: bool = False,
     return Layout(shape, axis, size, count * size - last, windows, whole_axis)
 
 
-def fits_rows(shape: tuple[int, ...], group_size: int) -> bool:
+def fits_rows(shape: tuple[int, ...], group_size: int, devices: int = 1) -> bool:
     """Whether `layout_of(..., rows=True)` groups `shape` down its rows. (Groups of
     one run nowhere: their statistics, shaped as the residual, would not tell `unpack`
-    which way byte scales' super-groups ran.)"""
-    return (group_size > 1 and len(shape) >= 2 and shape[-2] % group_size == 0
+    which way byte scales' super-groups ran.)
+
+    With `devices` > 1, only where the rows split over any number of them that divides
+    `devices` in whole groups: however the rows are sharded, no group spans two
+    devices, and no statistic needs a collective."""
+    return (group_size > 1 and len(shape) >= 2 and shape[-2] % (group_size * devices) == 0
             and shape[-1] % 128 == 0)
