@@ -697,7 +697,9 @@ def test_fsdp_shares_the_forwards_gathered_weights_on_a_tpu_slice(policy):
 
 
 @needs_tpu
-def test_fsdp_int8_gathers_each_weight_as_plain_does_on_a_tpu_slice():
+@pytest.mark.parametrize("policy", [rp.Quantize(bits=8), rp.Quantize(format="fp8_e4m3")],
+                         ids=["int8", "fp8"])
+def test_fsdp_8_bit_codes_gather_each_weight_as_plain_does_on_a_tpu_slice(policy):
     # The weights split over 4 chips, the batch too. Grouped along the last axis, the
     # packed activations' grouping reshape was folded by XLA into the matmul that
     # made them, which then read its weight reshaped: gathered a second time (4
@@ -712,8 +714,7 @@ def test_fsdp_int8_gathers_each_weight_as_plain_does_on_a_tpu_slice():
         with where.tracing():
             return residual.collectives(jax.jit(jax.grad(f)).lower(ws, x).compile())
 
-    hooked = residual.with_hooks(unrolled_mlp, policy=rp.Quantize(bits=8))
-    assert counts(hooked) == counts(unrolled_mlp)
+    assert counts(residual.with_hooks(unrolled_mlp, policy=policy)) == counts(unrolled_mlp)
 
 
 def _data_parallel_on_a_slice(layers: int, width: int, batch: int):

@@ -873,6 +873,24 @@ def test_tpu_int8_codes_of_a_sharded_residual_group_down_the_rows_in_whole_group
     assert rp.Quantize(bits=4).pack(x, _info(x))["scale"].shape == (512, 4)
 
 
+@pytest.mark.usefixtures("tpu_layouts")
+def test_tpu_fp8_codes_of_a_sharded_residual_group_down_the_rows(monkeypatch):
+    # fp8 keeps the last axis on one chip and groups down the rows on several: the
+    # transposed residual's values along its last axis, bit for bit, NaN and Inf too.
+    scales = 1000.0 ** (jnp.arange(128) % 3).astype(jnp.float32)
+    x = jax.random.normal(jax.random.key(15), (512, 128)) * scales
+    x = x.at[70, 5].set(jnp.nan).at[300, 9].set(-jnp.inf)
+    policy = rp.Quantize(format="fp8_e4m3")
+    assert policy.pack(x, _info(x))["scale"].shape == (512, 2)
+    _, along = _round_trip(policy, x.T)
+    monkeypatch.setattr(quantize_policy, "devices_spanned", lambda values: 8)
+    monkeypatch.setattr(quantize_policy, "several_devices", lambda values: True)
+    info = dataclasses.replace(_info(x), devices=8)
+    packed = policy.pack(x, info)
+    assert packed["scale"].shape == (8, 128)
+    np.testing.assert_array_equal(policy.unpack(packed, info), along.T)
+
+
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
 @pytest.mark.parametrize(("bits", "group_size", "scale_dtype"), [
     (4, 64, jnp.float32), (2, 64, jnp.float32), (4, 16, jnp.uint8)])

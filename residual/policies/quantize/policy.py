@@ -333,10 +333,12 @@ class Quantize(Policy):
         against 1.03x), while bfloat16 loses (v5e, 8 layers: 0.93x against 0.74x),
         and so do a transformer's `[batch, sequence, width]` residuals (v5e,
         unrolled flax NNX transformer, int4: 0.77x against 0.67x). fp8 codes gain on
-        some models and lose on others (v6e f32: 1.01x against 0.97x).
+        some models and lose on others (v6e f32: 1.01x against 0.97x), so they keep
+        the last axis on one chip, and group down the rows on several outside scan
+        bodies (`_rows_stay_local`).
         """
         if self.format != "int":
-            return False
+            return info.devices > 1 and _fusion.for_a_tpu() and not info.in_scan
         platform = _fusion.program_platform()
         if platform != "tpu":
             return self.bits < 8 and not (platform == "gpu" and info.in_scan)
@@ -347,8 +349,8 @@ class Quantize(Policy):
 
     def _rows_stay_local(self, info: ResidualInfo, devices: int) -> bool:
         """Whether codes may group down the rows (`_by_rows`) on `devices`: always on
-        one; on several, 8-bit integer codes that recompute the elementwise chains (a
-        TPU's default), where any split of the rows over the devices holds whole groups
+        one; on several, 8-bit codes that recompute the elementwise chains (a TPU's
+        default), where any split of the rows over the devices holds whole groups
         (`fits_rows`), so that each group's statistics stay on its device.
 
         Along the last axis XLA folds the reshape into groups into the matmul that made
@@ -357,12 +359,13 @@ class Quantize(Policy):
         4096 x width 1024, f32, jax 0.12.0.1), down the rows against along the last
         axis: FSDP tanh 1.00x plain's peak with plain's gathers against 1.01x with one
         more, GELU 1.00x with 2 more against 3 (`Chain(int8, Offload)`: none against 1,
-        1 against 2); data and tensor parallel the same peaks and collectives. Packing
-        every residual (`elementwise="pack"`) loses down the rows (data-parallel GELU
-        1.20x against 1.02x, FSDP 1.45x against 1.20x) and keeps the last axis.
+        1 against 2); data and tensor parallel the same peaks and collectives. fp8:
+        FSDP tanh plain's gathers against 1 more, GELU 1 against 2, data-parallel GELU
+        1.07x against 1.06x. Packing every residual (`elementwise="pack"`) loses down
+        the rows (int8, data-parallel GELU 1.20x against 1.02x, FSDP 1.45x against
+        1.20x) and keeps the last axis.
         """
-        return devices == 1 or (self.bits == 8 and self.format == "int"
-                                and self._recomputes_elementwise(info)
+        return devices == 1 or (self._eight_bits and self._recomputes_elementwise(info)
                                 and fits_rows(info.shape, self.group_size, devices))
 
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> dict[str, jnp.ndarray]:
