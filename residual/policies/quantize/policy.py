@@ -456,11 +456,11 @@ class Quantize(Policy):
     def unpack(self, packed: dict[str, jnp.ndarray], info: ResidualInfo) -> jnp.ndarray:
         if is_complex(info):
             return from_parts(self.unpack(packed, parts_info(info)), info)
-        layout = layout_of(info.shape, self.group_size,
-                           windows=self._windows(several_devices([packed["codes"]])),
+        sharded = several_devices([packed["codes"]])
+        layout = layout_of(info.shape, self.group_size, windows=self._windows(sharded),
                            whole_axis=self._byte_scales)
         by_rows = layout_of(info.shape, self.group_size, rows=True)
-        if several_devices([packed["codes"]]):
+        if sharded:
             by_rows = dataclasses.replace(by_rows, windows=True)  # as `pack` grouped them
         if (self._by_rows(info) and fits_rows(info.shape, self.group_size)
                 and packed["scale"].shape == by_rows.stored_shape):
