@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +25,6 @@ from .._policy import Policy
 from .ordering import ordered
 from .residuals import Residual
 from .storage import Restores, Slot, Storage, Stores
-
-if TYPE_CHECKING:
-    pass
 
 
 class Decision:

@@ -12,8 +12,9 @@ the tie, is computed, and that XLA never fuses across.
 operands)`, `first` one element of the tie. Under `vmap` the predicate is batched
 and JAX would turn the `cond` into a `select` that computes both branches: the copy
 is made and neither tie holds. Its batching rule folds the predicate into one
-scalar for the whole batch and keeps the conditional. Both branches return the same
-values, so the predicate only orders the work: no result depends on it.
+scalar for the whole batch and keeps the conditional (but for a view in a program
+for a TPU, taken outside it). Both branches return the same values, so the predicate
+only orders the work: no result depends on it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from .. import _jax_private as jp
-from .._placement import tracing_for_a_target
+from .._placement import platform_family, program_device, tracing_for_a_target
 
 
 def ordered(
@@ -196,14 +197,18 @@ def passed_after(tie, operands, fn: Callable | None = None) -> Any:
             # One predicate for the whole batch. Should the sum be NaN (a NaN, or
             # infinities of both signs), the copy branch runs: the same values.
             first = jnp.sum(first)
-        batched_leaves = jax.tree.leaves(operands_batched)
-        if fn is None or not any(batched_leaves):
-            out = passed_after(first, operands, fn)
-            return out, operands_batched if fn is None else jax.tree.map(lambda _: False, out)
-        axes = jax.tree.map(lambda b: 0 if b else None, operands_batched)
-        per_example = jax.vmap(fn, in_axes=(axes,), axis_size=axis_size)
-        out = passed_after(first, operands, per_example)
-        return out, jax.tree.map(lambda _: True, out)
+        if fn is None:
+            return passed_after(first, operands), operands_batched
+        batched = any(jax.tree.leaves(operands_batched))
+        view = fn
+        if batched:
+            axes = jax.tree.map(lambda b: 0 if b else None, operands_batched)
+            view = jax.vmap(fn, in_axes=(axes,), axis_size=axis_size)
+        # A TPU program under `vmap` copies the whole input a conditional takes into
+        # on-chip memory and keeps it through the backward; outside one, the view
+        # reads the copy the forward's matmuls read.
+        out = view(operands) if _for_a_tpu() else passed_after(first, operands, view)
+        return out, jax.tree.map(lambda _: batched, out)
 
     # `custom_vmap` has no reverse-mode rule; the result is linear in `operands`.
     @jax.custom_jvp
@@ -223,3 +228,7 @@ def passed_after(tie, operands, fn: Callable | None = None) -> Any:
         return out, fn(operand_tangents)
 
     return differentiable(first, operands)
+
+
+def _for_a_tpu() -> bool:
+    return platform_family(program_device().platform) == "tpu"
