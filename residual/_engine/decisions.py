@@ -22,7 +22,7 @@ from .. import _jax_private as jp
 from .._errors import HookError
 from .._info import ResidualInfo
 from .._policy import Policy
-from .ordering import ordered
+from .ordering import ordered, several_devices
 from .residuals import Residual
 from .storage import Restores, Slot, Storage, Stores
 
@@ -265,8 +265,20 @@ class Recompute(Decision):
         inputs = [restores.source(source, tie) for source in part.sources]
         # Tied to the backward where it is needed, the recomputation can neither
         # merge with the forward nor be scheduled early.
-        restores.restored.update(
-            plan.run(part, ordered(inputs, restores.tie_or_cotangent(tie))))
+        kept = [kind == "input" and key in restores.handoff.kept_inputs
+                for kind, key in part.sources]
+        tie = restores.tie_or_cotangent(tie)
+        if several_devices([*inputs, tie]) and not all(kept):
+            # An input that stays alive (a layer's weights) comes out of a barrier a new
+            # value, which XLA gathers again where the backward shares the forward's
+            # gathered copy: FSDP then gathers each weight once more per layer. The
+            # other sources tie the recomputation.
+            untied = [v for v, k in zip(inputs, kept) if not k]
+            tied = iter(ordered(untied, tie))
+            inputs = [v if k else next(tied) for v, k in zip(inputs, kept)]
+        else:
+            inputs = ordered(inputs, tie)
+        restores.restored.update(plan.run(part, inputs))
         return restores.restored[residual.info.index]
 
 

@@ -102,7 +102,8 @@ def hooked_call(
                 stores.input(j, input_kinds[j].kept_alive)
         handoff[:] = [Handoff(analysis, tuple(decisions), recompute, stores.slots,
                               stores.input_positions,
-                              backward_jaxpr(analysis, residuals, outs))]
+                              backward_jaxpr(analysis, residuals, outs),
+                              frozenset(j for j, k in enumerate(input_kinds) if k.kept_alive))]
         return outs, stores.storage.arrays
 
     def bwd(stored, cts):

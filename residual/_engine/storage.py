@@ -104,6 +104,7 @@ class Handoff:
     slots: dict[int, Slot]
     input_positions: dict[int, int]
     backward: jp.ClosedJaxpr  # JAX's backward pass: residuals, cotangents -> input cotangents
+    kept_inputs: frozenset[int] = frozenset()  # the inputs that stay alive (`InputKind`)
 
 
 class Restores:

@@ -147,6 +147,30 @@ def test_a_scanned_tensor_parallel_step_issues_plains_collectives_per_step(polic
     assert collectives(hooked, per_step=True) == per_step
 
 
+@pytest.mark.parametrize("policy", [rp.Remat(), rp.select([(rp.where(in_scan=True), rp.Remat())])],
+                         ids=["Remat", "Remat per layer"])
+def test_a_scanned_fsdp_step_recomputing_each_layer_matches_plain(policy):
+    # Each layer's recomputation is tied to the backward by the carry alone: its
+    # weights, split over the devices, are read as they are (not through a barrier).
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    _, params, x = _setup("data", batch=64, width=256)
+    ws = jax.device_put(jnp.stack([np.asarray(w) for w in params]),
+                        NamedSharding(mesh, P(None, "data")))
+    x = jax.device_put(np.asarray(x), NamedSharding(mesh, P("data")))
+
+    def scanned(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.mean(h**2)
+
+    plain = jax.jit(jax.grad(scanned, (0, 1)))
+    hooked = jax.jit(jax.grad(residual.with_hooks(scanned, policy=policy), (0, 1)))
+    for g, e in zip(hooked(ws, x), plain(ws, x)):
+        assert g.sharding.is_equivalent_to(e.sharding, g.ndim)
+        assert _relative(g, e) < 1e-5
+    assert (collectives(hooked.lower(ws, x).compile(), per_step=True)
+            == collectives(plain.lower(ws, x).compile(), per_step=True))
+
+
 def test_inside_shard_map():
     mesh, params, x = _setup("data")
     params = [np.asarray(w) for w in params]
