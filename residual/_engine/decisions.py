@@ -265,17 +265,18 @@ class Recompute(Decision):
         inputs = [restores.source(source, tie) for source in part.sources]
         # Tied to the backward where it is needed, the recomputation can neither
         # merge with the forward nor be scheduled early.
-        kept = [kind == "input" and key in restores.handoff.kept_inputs
-                for kind, key in part.sources]
+        # Stored values, and inputs that live only for this call (a loop's carry).
+        stored = [kind in ("residual", "saved")
+                  or (kind == "input" and key not in restores.handoff.kept_inputs)
+                  for kind, key in part.sources]
         tie = restores.tie_or_cotangent(tie)
-        if several_devices([*inputs, tie]) and not all(kept):
+        if several_devices([*inputs, tie]) and any(stored):
             # An input that stays alive (a layer's weights) comes out of a barrier a new
             # value, which XLA gathers again where the backward shares the forward's
             # gathered copy: FSDP then gathers each weight once more per layer. The
-            # other sources tie the recomputation.
-            untied = [v for v, k in zip(inputs, kept) if not k]
-            tied = iter(ordered(untied, tie))
-            inputs = [v if k else next(tied) for v, k in zip(inputs, kept)]
+            # stored sources tie the recomputation.
+            tied = iter(ordered([v for v, s in zip(inputs, stored) if s], tie))
+            inputs = [next(tied) if s else v for v, s in zip(inputs, stored)]
         else:
             inputs = ordered(inputs, tie)
         restores.restored.update(plan.run(part, inputs))
