@@ -27,6 +27,11 @@ def program_device() -> jax.Device:
     return devices[0] if devices else jax.local_devices()[0]
 
 
+def program_platform() -> str:
+    """`"tpu"`, `"gpu"` or `"cpu"`: what the program being traced is for."""
+    return platform_family(program_device().platform)
+
+
 def program_devices() -> tuple[jax.Device, ...]:
     """Every device the program being traced may run on: the target's, else every
     device of every process."""

@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from .. import _jax_private as jp
-from .._placement import platform_family, program_device, tracing_for_a_target
+from .._placement import program_platform, tracing_for_a_target
 
 
 def ordered(
@@ -207,7 +207,7 @@ def passed_after(tie, operands, fn: Callable | None = None) -> Any:
         # A TPU program under `vmap` copies the whole input a conditional takes into
         # on-chip memory and keeps it through the backward; outside one, the view
         # reads the copy the forward's matmuls read.
-        out = view(operands) if _for_a_tpu() else passed_after(first, operands, view)
+        out = view(operands) if program_platform() == "tpu" else passed_after(first, operands, view)
         return out, jax.tree.map(lambda _: batched, out)
 
     # `custom_vmap` has no reverse-mode rule; the result is linear in `operands`.
@@ -228,7 +228,3 @@ def passed_after(tie, operands, fn: Callable | None = None) -> Any:
         return out, fn(operand_tangents)
 
     return differentiable(first, operands)
-
-
-def _for_a_tpu() -> bool:
-    return platform_family(program_device().platform) == "tpu"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._placement import platform_family, program_device
+from .._placement import program_platform
 from .._policy import Policy, check_choice
 from .remat import RematWhereSmaller
 
@@ -52,11 +52,6 @@ def resolved(policy: Policy, info: Any, recompute: bool) -> Policy:
     if recompute and info.primitive in ELEMENTWISE:
         return RematWhereSmaller(instead=policy, recomputes_through=RECOMPUTABLE)
     return policy
-
-
-def program_platform() -> str:
-    """`"tpu"`, `"gpu"` or `"cpu"`: what the program being traced is for."""
-    return platform_family(program_device().platform)
 
 
 def for_a_tpu() -> bool:

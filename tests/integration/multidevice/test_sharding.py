@@ -28,6 +28,11 @@ def mlp(params, x):
     return jnp.mean(h**2)
 
 
+def scanned_mlp(ws, x):
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+    return jnp.mean(h**2)
+
+
 def _setup(layout, batch=64, width=512):
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     k1, k2 = jax.random.split(jax.random.key(0))
@@ -135,12 +140,9 @@ def test_a_scanned_tensor_parallel_step_issues_plains_collectives_per_step(polic
     mesh, params, x = _setup("tensor", 512, width=256)
     ws = jax.device_put(jnp.stack(params), NamedSharding(mesh, P(None, None, "model")))
 
-    def scanned(ws, x):
-        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
-        return jnp.mean(h**2)
-
-    plain = jax.jit(jax.grad(scanned)).lower(ws, x).compile()
-    hooked = jax.jit(jax.grad(residual.with_hooks(scanned, policy=policy))).lower(ws, x).compile()
+    plain = jax.jit(jax.grad(scanned_mlp)).lower(ws, x).compile()
+    hooked = jax.jit(jax.grad(residual.with_hooks(scanned_mlp, policy=policy))).lower(
+        ws, x).compile()
     # The loops run once a layer: each collective in them, once a trip.
     per_step = collectives(plain, per_step=True)
     assert per_step == {k: 3 * n for k, n in collectives(plain).items()}
@@ -158,12 +160,8 @@ def test_a_scanned_fsdp_step_recomputing_each_layer_matches_plain(policy):
                         NamedSharding(mesh, P(None, "data")))
     x = jax.device_put(np.asarray(x), NamedSharding(mesh, P("data")))
 
-    def scanned(ws, x):
-        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
-        return jnp.mean(h**2)
-
-    plain = jax.jit(jax.grad(scanned, (0, 1)))
-    hooked = jax.jit(jax.grad(residual.with_hooks(scanned, policy=policy), (0, 1)))
+    plain = jax.jit(jax.grad(scanned_mlp, (0, 1)))
+    hooked = jax.jit(jax.grad(residual.with_hooks(scanned_mlp, policy=policy), (0, 1)))
     for g, e in zip(hooked(ws, x), plain(ws, x)):
         assert g.sharding.is_equivalent_to(e.sharding, g.ndim)
         assert _relative(g, e) < 1e-5
