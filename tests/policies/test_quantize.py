@@ -950,6 +950,49 @@ def test_gradient_error_with_tpu_layouts(model):
         assert relative_error_of_all(g(params, x), expected) <= bound, policy
 
 
+SIXTEEN_BIT_POLICIES = [rp.Quantize(bits=8), rp.Quantize(bits=4), rp.Quantize(bits=2),
+                        rp.Quantize(format="fp8_e4m3"), rp.Quantize(bits=8, stochastic=True),
+                        rp.Quantize(bits=4, scale_dtype=jnp.uint8)]
+
+
+@pytest.mark.parametrize("values", ["finite", "non-finite"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("policy", SIXTEEN_BIT_POLICIES, ids=repr)
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_sixteen_bit_floats_get_the_codes_of_their_float32_values(policy, dtype, values, jit):
+    # A 16-bit residual is widened to float32 inside the packing, not before it: the
+    # codes and scales must be those of the widened values, NaN and Inf included.
+    x = jax.random.normal(jax.random.key(0), (96, 256)) * 3
+    if values == "non-finite":
+        x = x.at[3, 5].set(jnp.nan).at[40, 7].set(jnp.inf).at[41, 9].set(-jnp.inf)
+        x = x.at[50, :64].set(jnp.nan)  # a group with no finite value
+    narrow = x.astype(dtype)
+    wide = narrow.astype(jnp.float32)
+
+    def pack(v):
+        return policy.pack(v, _info(v))
+
+    pack = jax.jit(pack) if jit else pack
+    got, expected = pack(narrow), pack(wide)
+    assert got.keys() == expected.keys()
+    for key in got:
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(expected[key]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_a_sixteen_bit_residual_is_widened_inside_the_nan_checks_conditional(dtype):
+    # Widened before it, the conditional's operand is a float32 copy of the residual,
+    # which XLA materializes: on a TPU (v5e) a bf16 scanned MLP's int8 peak measured
+    # 0.87x plain's with that copy, 0.71x without (8 layers, 32768 x 1024).
+    x = jnp.ones((256, 512), dtype)
+    jaxpr = jax.make_jaxpr(lambda v: rp.Quantize(bits=8).pack(v, _info(v)))(x).jaxpr
+    (check,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    assert [v.aval.dtype for v in check.invars if v.aval.size == x.size] == [dtype]
+    widened = [e.primitive.name for e in jaxpr.eqns
+               for v in e.outvars if v.aval.size >= x.size and v.aval.dtype == jnp.float32]
+    assert not widened, widened
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
 def test_jitted_under_x64(bits, dtype):

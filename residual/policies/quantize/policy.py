@@ -381,15 +381,20 @@ class Quantize(Policy):
             # axis into groups aborts the TPU partitioner on a tensor-parallel mesh
             # ("ReplicateOnLastTileDim should not be called for HloShardingV3").
             layout = dataclasses.replace(layout, windows=True)
-        groups = layout.group(x.astype(jnp.float32))
         salt = salt_of(self.seed, info.index) if self.stochastic else None
         if sharded:
             # Each group's range and NaN check are its own: a predicate over the whole
             # residual would be an all-reduce across the devices, in every step.
+            groups = layout.group(x.astype(jnp.float32))
             packed = self._codes(groups, *finite_ranges(groups, layout), salt, layout,
                                  super_span=SUPER_SHARDED)
+        elif x.dtype in (jnp.bfloat16, jnp.float16):
+            # The conditional reads the 16-bit float as it is and widens it inside, into
+            # fused arithmetic: widened before, XLA would materialize a float32 copy as
+            # the conditional's operand (TPU: twice the residual's bytes beside it).
+            packed = self._pack_one_device(layout.group(x), salt, layout)
         else:
-            packed = self._pack_one_device(groups, salt, layout)
+            packed = self._pack_one_device(layout.group(x.astype(jnp.float32)), salt, layout)
         # Codes keep the residual's layout (`[..., last]`, or `[..., last * bits / 8]`
         # bytes, the last axis padded to whole groups when it must be) and scales
         # its axes with the grouped one divided by the group size: under `jit` with
@@ -407,8 +412,9 @@ class Quantize(Policy):
         # Plain max and min read the data directly: no float temporary the size of
         # the residual. An Inf shows in them, a NaN only mostly: XLA's CPU reductions
         # may skip one, depending on where it lies, so the clean branch checks again.
-        hi = layout.reduce(groups, -jnp.inf, lax.max)
-        lo = layout.reduce(groups, jnp.inf, lax.min)
+        # In a 16-bit float's own dtype, max and min are exact.
+        hi = layout.reduce(groups, -jnp.inf, lax.max).astype(jnp.float32)
+        lo = layout.reduce(groups, jnp.inf, lax.min).astype(jnp.float32)
         clean = jnp.all(jnp.isfinite(hi) & jnp.isfinite(lo))
         # The `cond` is the only other reader of `groups`: more readers outside it
         # let XLA schedule several residuals' reductions early and keep their floats
@@ -425,14 +431,16 @@ class Quantize(Policy):
     def _pack_clean(self, groups, lo, hi, salt, layout):
         """No NaN or Inf seen by max and min: every code is a value, unless a sum,
         which no NaN escapes whatever the order of its additions, shows one after all."""
-        exact = functools.partial(finite_range, layout=layout)
-        check = jnp.isfinite(jnp.sum(groups))  # a finite sum that overflows costs time only
+        exact = functools.partial(_finite_range, layout=layout)
+        # A finite sum that overflows costs time only.
+        check = jnp.isfinite(jnp.sum(groups, dtype=jnp.float32))
         lo, hi, broken = cond(check, as_they_are, exact, groups, lo, hi)
-        return self._codes(groups, lo, hi, broken, salt, layout)
+        return self._codes(groups.astype(jnp.float32), lo, hi, broken, salt, layout)
 
     def _pack_any(self, groups, lo, hi, salt, layout):
         """Some values are NaN or Inf: scales from the finite ones, code 0 for the rest."""
-        return self._codes(groups, *finite_range(groups, lo, hi, layout), salt, layout)
+        return self._codes(groups.astype(jnp.float32), *_finite_range(groups, lo, hi, layout),
+                           salt, layout)
 
     @property
     def _square_grid(self) -> bool:
@@ -493,3 +501,10 @@ def _is_row_statistic(shape: tuple[int, ...]) -> bool:
     the rows they summarize.
     """
     return len(shape) >= 1 and shape[-1] == 1
+
+
+def _finite_range(groups, lo, hi, layout):
+    """`finite_range` of the groups in their own dtype (max and min are exact in it), the
+    ranges as float32."""
+    lo, hi, broken = finite_range(groups, lo, hi, layout)
+    return lo.astype(jnp.float32), hi.astype(jnp.float32), broken
