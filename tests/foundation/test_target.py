@@ -383,6 +383,19 @@ def _bf16_tanh_mlp_summed_in_float32(ws, x):
 
 
 @needs_tpu
+def test_fp8_codes_of_an_unrolled_bfloat16_mlp_group_down_the_rows_on_a_tpu():
+    # Along the last axis the backward spread each group's scale over its values
+    # into float32 copies: 0.97x plain's peak on v5e here, and 1.02x at batch
+    # 32,768 x width 1,024; down the rows 0.85x (0.76x).
+    ws = jax.ShapeDtypeStruct((8, 512, 512), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((2048, 512), jnp.bfloat16)
+    model = _bf16_tanh_mlp_summed_in_float32
+    hooked = jax.grad(residual.with_hooks(model, policy=rp.Quantize(format="fp8_e4m3")))
+    plain = residual.compiled_memory(jax.grad(model), ws, x, target="v5e")
+    assert residual.compiled_memory(hooked, ws, x, target="v5e").peak <= 0.90 * plain.peak
+
+
+@needs_tpu
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "dtype"), [(_bf16_tanh_mlp_summed_in_float32, jnp.bfloat16),
                                               (_gelu_mlp, jnp.float32)])

@@ -891,6 +891,27 @@ def test_tpu_fp8_codes_of_a_sharded_residual_group_down_the_rows(monkeypatch):
     np.testing.assert_array_equal(policy.unpack(packed, info), along.T)
 
 
+@pytest.mark.usefixtures("tpu_layouts")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_tpu_fp8_codes_of_a_sixteen_bit_residual_group_down_the_rows_on_one_chip(dtype):
+    # As the transposed residual's values along its last axis (as in a scan body):
+    # bit for bit in bfloat16; float16 values near a tie between two codes may round
+    # either way (XLA:CPU divides one layout by the scale, the other by its
+    # reciprocal), one fp8 step apart.
+    scales = 10.0 ** (jnp.arange(128) % 3).astype(jnp.float32)
+    x = (jax.random.normal(jax.random.key(16), (512, 128)) * scales).astype(dtype)
+    x = x.at[70, 5].set(jnp.nan).at[300, 9].set(-jnp.inf)
+    policy = rp.Quantize(format="fp8_e4m3")
+    in_scan = dataclasses.replace(_info(x.T), in_scan=True)
+    along = policy.unpack(policy.pack(x.T, in_scan), in_scan)
+    packed, down = _round_trip(policy, x)
+    assert packed["scale"].shape == (8, 128)
+    assert down.dtype == dtype
+    step = 0 if dtype == jnp.bfloat16 else 2.0**-3
+    np.testing.assert_allclose(np.asarray(down, np.float32), np.asarray(along.T, np.float32),
+                               rtol=step, atol=0)
+
+
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
 @pytest.mark.parametrize(("bits", "group_size", "scale_dtype"), [
     (4, 64, jnp.float32), (2, 64, jnp.float32), (4, 16, jnp.uint8)])
