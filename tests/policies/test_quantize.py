@@ -895,9 +895,9 @@ def test_tpu_fp8_codes_of_a_sharded_residual_group_down_the_rows(monkeypatch):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_tpu_fp8_codes_of_a_sixteen_bit_residual_group_down_the_rows_on_one_chip(dtype):
     # As the transposed residual's values along its last axis (as in a scan body):
-    # bit for bit in bfloat16; float16 values near a tie between two codes may round
-    # either way (XLA:CPU divides one layout by the scale, the other by its
-    # reciprocal), one fp8 step apart.
+    # bit for bit in bfloat16; float16 values within a rounding of a tie between two
+    # codes may round either way (2 of 65,536 here: XLA:CPU fuses the two layouts'
+    # divisions by the scale differently), one fp8 step apart.
     scales = 10.0 ** (jnp.arange(128) % 3).astype(jnp.float32)
     x = (jax.random.normal(jax.random.key(16), (512, 128)) * scales).astype(dtype)
     x = x.at[70, 5].set(jnp.nan).at[300, 9].set(-jnp.inf)
