@@ -86,27 +86,15 @@ def _decide_with(policies: list[Policy | None], analysis: Analysis,
     ]
     if not any(isinstance(d, Recompute) for d in decisions):
         return decisions, None
-    describe = value_describer(analysis, input_kinds, scope_prefix=scope_prefix,
-                               in_scan=in_scan)
-
-    def keep(var: Any, index: int) -> tuple[Residual, Decision] | None:
-        residual = describe(var, index)
-        if not by_a_loop(var) and (not residual.hookable or residual.info.kept_alive):
-            return None
-        policy = policy_for(residual, base)
-        if by_a_loop(var):
-            policy = _storing(policy)
-        elif recomputes(policy):
-            return None
-        if policy is None:
-            return residual, Keep()
-        return residual, RoundTrip(policy=policy) if higher_order else Pack(policy=policy)
-
+    values = _ForwardValues(
+        value_describer(analysis, input_kinds, scope_prefix=scope_prefix, in_scan=in_scan),
+        base, by_a_loop, higher_order, len(residuals))
     while True:
         recomputed = {i for i, d in enumerate(decisions) if isinstance(d, Recompute)}
-        plan = RecomputePlan(analysis, recomputed, keep)
-        stored = stored_instead(plan, decisions, residuals)
-        if not stored:
+        plan = RecomputePlan(analysis, recomputed, values.keep)
+        stored, cut = stored_instead(plan, decisions, residuals, values.storable)
+        values.cut |= cut
+        if not stored and not cut:
             break
         for i in stored:
             policy = decisions[i].policy.instead
@@ -121,7 +109,7 @@ def _decide_with(policies: list[Policy | None], analysis: Analysis,
         decisions[i] = Derive(policy=decisions[i].policy.instead, eqn=eqn, operands=operands)
     if derived:
         recomputed -= derived
-        plan = RecomputePlan(analysis, recomputed, keep)
+        plan = RecomputePlan(analysis, recomputed, values.keep)
     plan = plan if recomputed else None
     if hooked and stores_as_jax_does(decisions, plan):
         decisions = [d if isinstance(d, Recompute) else
@@ -129,6 +117,47 @@ def _decide_with(policies: list[Policy | None], analysis: Analysis,
                                  higher_order=False)
                      for r, p, d in zip(residuals, policies, decisions)]
     return decisions, plan
+
+
+class _ForwardValues:
+    """How the forward's values that are not residuals are stored for recomputation.
+
+    `keep` is `RecomputePlan`'s: a value its policy recomputes is recomputed too,
+    unless the smallest cut chose to store it (`cut`); `storable` gives that cut the
+    values it may choose.
+    """
+
+    def __init__(self, describe: Callable[[Any, int], Residual], base: Policy | None,
+                 by_a_loop: Callable[[Any], bool], higher_order: bool, count: int) -> None:
+        self.describe, self.base, self.by_a_loop = describe, base, by_a_loop
+        self.higher_order = higher_order
+        self.count = count  # the residuals': values are numbered after them
+        self.cut: set[Any] = set()
+        self._storable: dict[Any, int | None] = {}
+
+    def keep(self, var: Any, index: int) -> tuple[Residual, Decision] | None:
+        residual = self.describe(var, index)
+        if not self.by_a_loop(var) and (not residual.hookable or residual.info.kept_alive):
+            return None
+        policy = policy_for(residual, self.base)
+        if self.by_a_loop(var) or var in self.cut:
+            policy = _storing(policy)
+        elif recomputes(policy):
+            return None
+        if policy is None:
+            return residual, Keep()
+        return residual, RoundTrip(policy=policy) if self.higher_order else Pack(policy=policy)
+
+    def storable(self, var: Any) -> int | None:
+        """The bytes of a value that a slice recomputes, where its policy could store it
+        instead (`RematWhereSmaller`); else None."""
+        if var not in self._storable:
+            residual = self.describe(var, self.count)
+            policy = (policy_for(residual, self.base) if residual.hookable
+                      and not residual.info.kept_alive and not self.by_a_loop(var) else None)
+            self._storable[var] = (residual.info.nbytes if recomputes(policy) and getattr(
+                policy, "instead", None) is not None else None)
+        return self._storable[var]
 
 
 def stores_as_jax_does(decisions: Sequence[Decision], plan: RecomputePlan | None) -> bool:
