@@ -17,6 +17,7 @@ from ..._policy import Policy, check_bool, check_int
 from .. import _fusion
 from .._complex import from_parts, is_complex, parts, parts_info
 from .._defaults import worth_packing
+from .._lanes import stored_shape
 from ..mask_bits import MASK_BITS
 from .checks import FP8, check_byte_scales, check_format, check_grid, checked_scale_dtype
 from .grid import SUPER, SUPER_SHARDED, byte_scale_values, fp8_codes, int_codes, int_values
@@ -76,6 +77,14 @@ class Quantize(Policy):
       bits), so that shards of 64 keep theirs; an axis sharded into pieces of fewer
       than 64 elements splits super-groups across devices, and their largest step
       is then an all-reduce: pass `scale_dtype=jnp.float32` there.
+    - In a program for one TPU, a residual whose minor axis leaves the chip's
+      128-lane tiles part empty (attention heads of 64) is quantized with its minor
+      axes merged (`[batch, seq, 4, 64]` as `[batch, seq, 256]`) where `group_size`
+      divides its last axis: the same groups along it, with codes and statistics
+      lane-dense (the unrolled flax NNX transformer, 32 sequences of 256 on v5e:
+      int8 0.87x plain's peak -> 0.64x, fp8 0.85x -> 0.61x, int4 1.26x -> 1.17x).
+      8-bit codes then group down the rows where a TPU's do (one feature across
+      `group_size` tokens).
     - A complex residual is quantized as its real and imaginary parts, stacked on a
       new leading axis: no group mixes the two. (In a program for a TPU, 4- and
       2-bit codes of a complex matrix group along its last axis, where those of a
@@ -378,6 +387,9 @@ class Quantize(Policy):
     def pack(self, x: jnp.ndarray, info: ResidualInfo) -> dict[str, jnp.ndarray]:
         if is_complex(info):
             return self.pack(parts(x), parts_info(info))
+        merged = self._lane_dense(info)
+        if merged is not info:
+            return self.pack(x.reshape(merged.shape), merged)
         devices = devices_spanned([x])
         sharded = devices > 1
         rows = self._by_rows(info) and self._rows_stay_local(info, devices)
@@ -412,6 +424,14 @@ class Quantize(Policy):
         if self.format == "int":
             codes = pack_codes(codes, self.bits, layout.block)
         return {"codes": codes, **{k: layout.stored(v) for k, v in packed.items()}}
+
+    def _lane_dense(self, info: ResidualInfo) -> ResidualInfo:
+        """`info` with the shape the codes are made in: with the minor axes merged on one
+        TPU (`stored_shape`) where groups along the last axis would be the same."""
+        shape = stored_shape(info)
+        if shape == tuple(info.shape) or info.shape[-1] % self.group_size:
+            return info
+        return dataclasses.replace(info, shape=shape)
 
     def _pack_one_device(self, groups, salt, layout):
         """Codes and statistics, with one check of the whole residual for NaN and Inf
@@ -471,6 +491,9 @@ class Quantize(Policy):
     def unpack(self, packed: dict[str, jnp.ndarray], info: ResidualInfo) -> jnp.ndarray:
         if is_complex(info):
             return from_parts(self.unpack(packed, parts_info(info)), info)
+        merged = self._lane_dense(info)
+        if merged is not info:
+            return self.unpack(packed, merged).reshape(info.shape)
         sharded = several_devices([packed["codes"]])
         layout = layout_of(info.shape, self.group_size, windows=self._windows(sharded),
                            whole_axis=self._byte_scales)
