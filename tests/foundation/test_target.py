@@ -672,6 +672,21 @@ def test_merged_heads_come_back_in_their_own_shape(policy, lanes, tolerance):
     assert float(jnp.linalg.norm(back - x) / jnp.linalg.norm(x)) < tolerance
 
 
+@needs_tpu
+@pytest.mark.parametrize(("shape", "recomputed"), [
+    ((64, 4, 64), True), ((8, 64, 4, 64), False)], ids=["to-a-matrix", "to-3d"])
+def test_int4_recomputes_an_elementwise_residual_as_its_stored_shape_groups(shape,
+                                                                           recomputed):
+    # float32 int4 on one TPU recomputes elementwise matrices, which it groups down
+    # the rows, and packs the rest: heads merged into a matrix are one.
+    info = residual.ResidualInfo(index=0, shape=shape, dtype=jnp.dtype(jnp.float32),
+                                 primitive="tanh")
+    policy = rp.Quantize(bits=4)
+    with _target.resolve("v5e").tracing():
+        resolved = policy.resolve(info)
+    assert (resolved is not policy) == recomputed, resolved
+
+
 def _narrow_cnn(ws, x):
     for w in ws:
         x = jax.nn.relu(jax.lax.conv_general_dilated(

@@ -7,6 +7,8 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
+from .._lanes import LANES
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -183,4 +185,4 @@ def fits_rows(shape: tuple[int, ...], group_size: int, devices: int = 1) -> bool
     `devices` in whole groups: however the rows are sharded, no group spans two
     devices, and no statistic needs a collective."""
     return (group_size > 1 and len(shape) >= 2 and shape[-2] % (group_size * devices) == 0
-            and shape[-1] % 128 == 0)
+            and shape[-1] % LANES == 0)

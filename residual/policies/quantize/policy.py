@@ -256,8 +256,9 @@ class Quantize(Policy):
         16-bit float (int4 on a bf16 equinox transformer, 8 blocks of 512: 0.23x
         against 0.33x on v5e; 4 blocks of 512, v6e: 0.24x against 0.44x); it packs
         it elsewhere. 4- and 2-bit codes of float32 on one chip recompute matrices
-        (2-D) outside scan bodies (`_by_rows`), which they group down the rows, where
-        each packed term takes temporary float and mask arrays in the forward (an
+        (2-D as stored, `_lane_dense`) outside scan bodies (`_by_rows`), which they
+        group down the rows, where each packed term takes temporary float and mask
+        arrays in the forward (an
         unrolled 8-layer GELU MLP, batch 4,096 x width 1,024: int4 1.00x plain's peak
         recomputed against 1.39x packed on v5e, 1.01x against 1.69x on v6e), and pack
         the rest: the flax Linen CNN's 4-D activations measure 1.13x packed against
@@ -280,7 +281,8 @@ class Quantize(Policy):
         """
         half_width = np.dtype(info.dtype).itemsize == 2
         return _fusion.recomputes(self.elementwise, auto=_fusion.for_a_tpu() and (
-            self._eight_bits or half_width or info.devices > 1 or self._by_rows(info)))
+            self._eight_bits or half_width or info.devices > 1
+            or self._by_rows(self._lane_dense(info))))
 
     def _windows(self, sharded: bool) -> bool:
         """Whether groups reduce over windows of the residual as it lies (`Layout.reduce`):
@@ -426,8 +428,11 @@ class Quantize(Policy):
         return {"codes": codes, **{k: layout.stored(v) for k, v in packed.items()}}
 
     def _lane_dense(self, info: ResidualInfo) -> ResidualInfo:
-        """`info` with the shape the codes are made in: with the minor axes merged on one
-        TPU (`stored_shape`) where groups along the last axis would be the same."""
+        """`info` with the shape the codes are made in: on one TPU, with its minor axes
+        merged (`stored_shape`) where `group_size` divides its last axis, so that no
+        group along the merged axis spans two of its rows. The codes then group as
+        the merged shape does (`_by_rows`, `fits_rows`): heads `[batch, seq, 4, 64]`
+        of int8 down the merged rows, tokens, where a 64-wide axis could not."""
         shape = stored_shape(info)
         if shape == tuple(info.shape) or info.shape[-1] % self.group_size:
             return info
