@@ -137,7 +137,7 @@ class _ForwardValues:
 
     def keep(self, var: Any, index: int) -> tuple[Residual, Decision] | None:
         residual = self.describe(var, index)
-        if not self.by_a_loop(var) and (not residual.hookable or residual.info.kept_alive):
+        if not self.by_a_loop(var) and not _policies_act_on(residual):
             return None
         policy = policy_for(residual, self.base)
         if self.by_a_loop(var) or var in self.cut:
@@ -153,11 +153,17 @@ class _ForwardValues:
         instead (`RematWhereSmaller`); else None."""
         if var not in self._storable:
             residual = self.describe(var, self.count)
-            policy = (policy_for(residual, self.base) if residual.hookable
-                      and not residual.info.kept_alive and not self.by_a_loop(var) else None)
+            policy = (policy_for(residual, self.base)
+                      if _policies_act_on(residual) and not self.by_a_loop(var) else None)
             self._storable[var] = (residual.info.nbytes if recomputes(policy) and getattr(
                 policy, "instead", None) is not None else None)
         return self._storable[var]
+
+
+def _policies_act_on(value: Residual) -> bool:
+    """Whether a policy may store a value of the forward other than as it is: a numeric
+    array of this call's own (`hookable`) that does not stay alive anyway."""
+    return value.hookable and not value.info.kept_alive
 
 
 def stores_as_jax_does(decisions: Sequence[Decision], plan: RecomputePlan | None) -> bool:

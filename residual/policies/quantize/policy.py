@@ -279,9 +279,8 @@ class Quantize(Policy):
         against 0.97x on v5e:4x4). The zoo's int4 gradient errors, recomputed, are
         within half a point of packing's (the guides' table).
         """
-        half_width = np.dtype(info.dtype).itemsize == 2
         return _fusion.recomputes(self.elementwise, auto=_fusion.for_a_tpu() and (
-            self._eight_bits or half_width or info.devices > 1
+            self._eight_bits or _is_16_bit(info.dtype) or info.devices > 1
             or self._by_rows(self._lane_dense(info))))
 
     def _windows(self, sharded: bool) -> bool:
@@ -356,7 +355,7 @@ class Quantize(Policy):
         """
         if self.format != "int":
             return (_fusion.for_a_tpu() and not info.in_scan
-                    and (info.devices > 1 or np.dtype(info.dtype).itemsize == 2))
+                    and (info.devices > 1 or _is_16_bit(info.dtype)))
         platform = _fusion.program_platform()
         if platform != "tpu":
             return self.bits < 8 and not (platform == "gpu" and info.in_scan)
@@ -409,7 +408,7 @@ class Quantize(Policy):
             groups = layout.group(x.astype(jnp.float32))
             packed = self._codes(groups, *finite_ranges(groups, layout), salt, layout,
                                  super_span=SUPER_SHARDED)
-        elif x.dtype in (jnp.bfloat16, jnp.float16):
+        elif _is_16_bit(x.dtype):
             # The conditional reads the 16-bit float as it is and widens it inside, into
             # fused arithmetic: widened before, XLA would materialize a float32 copy as
             # the conditional's operand (TPU: twice the residual's bytes beside it).
@@ -523,6 +522,11 @@ class Quantize(Policy):
         values = int_values(codes, layout.unstored(packed["zero"]), scale, layout, self.bits,
                             self._square_grid)
         return layout.ungroup(values).astype(info.dtype)
+
+
+def _is_16_bit(dtype: Any) -> bool:
+    """Whether a float residual is a 16-bit one: bfloat16 or float16."""
+    return jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize == 2
 
 
 def _is_row_statistic(shape: tuple[int, ...]) -> bool:
