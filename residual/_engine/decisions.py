@@ -181,7 +181,7 @@ class Pack(Decision):
         arrays = [restores.storage[p] for p in slot.positions]
         changed = [k for k, p in enumerate(slot.positions) if p not in slot.unchanged]
         for k, array in zip(changed, ordered([arrays[k] for k in changed], tie,
-                                             probe_self=True)):
+                                             probe_self=True, barrier=True)):
             arrays[k] = array
         leaves = list(slot.leaves)
         for k, array in zip(slot.leaf_indices, arrays):
@@ -278,9 +278,22 @@ class Recompute(Decision):
             tied = iter(ordered([v for v, s in zip(inputs, stored) if s], tie))
             inputs = [next(tied) if s else v for v, s in zip(inputs, stored)]
         else:
-            inputs = ordered(inputs, tie)
+            # Recomputed from unpacked values, the chain is what XLA would otherwise
+            # move into the conditional, which would then return each of its floats.
+            inputs = ordered(inputs, tie, barrier=any(
+                isinstance(_source_decision(restores, source), Pack) for source in part.sources))
         restores.restored.update(plan.run(part, inputs))
         return restores.restored[residual.info.index]
+
+
+def _source_decision(restores: Restores, source: tuple[str, Any]) -> Decision | None:
+    """The decision that stored a recomputation's source; None for inputs and constants."""
+    kind, key = source
+    if kind == "residual":
+        return restores.handoff.decisions[key]
+    if kind == "saved":
+        return restores.handoff.recompute.saved[key].decision
+    return None
 
 
 def call_hook(which: str, hook: Callable, value: Any, info: ResidualInfo) -> Any:

@@ -14,7 +14,10 @@ and JAX would turn the `cond` into a `select` that computes both branches: the c
 is made and neither tie holds. Its batching rule folds the predicate into one
 scalar for the whole batch and keeps the conditional (but for a view in a program
 for a TPU, taken outside it). Both branches return the same values, so the predicate
-only orders the work: no result depends on it.
+only orders the work: no result depends on it. Where its readers turn what it
+passes into floats (unpacking, a recomputation from unpacked values), its result goes
+through an optimization barrier: XLA would move them into both branches, which would
+then return those floats whole.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def ordered(
     forward: bool = False,
     view: Callable[[Any], Any] | None = None,
     probe_self: bool = False,
+    barrier: bool = False,
 ) -> list[Any]:
     """`values`, computed after the array `tie` and not fused with the code around them.
 
@@ -46,7 +50,8 @@ def ordered(
     residual is needed; with `probe_self`, when there is no tie, the first of them
     waits for itself, which still stops XLA fusing across. `view` (a slice, a
     reshape) is applied to the single value of `values` inside the conditional, so
-    the view's copy exists only from then on.
+    the view's copy exists only from then on. With `barrier`, `values` come out of the
+    conditional through an optimization barrier, which nothing reading them crosses.
 
     In the `forward`, `values` is the value just computed followed by what was packed
     from it: the rest of the forward reads the value through the conditional, so the
@@ -63,7 +68,7 @@ def ordered(
     chosen = [values[i] for i in movable]
     if several_devices([*chosen, tie]):
         return _viewed(_ordered_by_barrier(values, movable, tie, view is not None), view)
-    return _ordered_by_conditional(values, movable, tie, view)
+    return _ordered_by_conditional(values, movable, tie, view, barrier)
 
 
 def _viewed(values: list[Any], view: Callable[[Any], Any] | None) -> list[Any]:
@@ -88,7 +93,11 @@ def _ordered_by_barrier(
 
 
 def _ordered_by_conditional(
-    values: list[Any], movable: list[int], tie: Any, view: Callable[[Any], Any] | None
+    values: list[Any],
+    movable: list[int],
+    tie: Any,
+    view: Callable[[Any], Any] | None,
+    barrier: bool,
 ) -> list[Any]:
     """`values`, those at `movable` passed through a conditional on `tie` (`passed_after`),
     or on the first of them when there is no tie; with a view, only the viewed value."""
@@ -98,7 +107,7 @@ def _ordered_by_conditional(
     probe = tie if tie is not None else chosen[0]
     if view is not None:
         return [passed_after(probe, chosen[0], view)]
-    return _replaced(values, movable, passed_after(probe, chosen))
+    return _replaced(values, movable, passed_after(probe, chosen, barrier=barrier))
 
 
 def _replaced(values: list[Any], indices: list[int], replacements: Sequence[Any]) -> list[Any]:
@@ -175,20 +184,24 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-def passed_after(tie, operands, fn: Callable | None = None) -> Any:
+def passed_after(tie, operands, fn: Callable | None = None, *, barrier: bool = False) -> Any:
     """`fn(operands)` (identity by default), computed after the array `tie`, unfused.
 
     The predicate reads one element of `tie`. `fn` must be linear (a view: a slice, a
     reshape) and work on one example: under `vmap` it is vmapped when an operand is
-    batched.
+    batched. With `barrier` the result comes out through an optimization barrier, so
+    that nothing reading it moves into the conditional.
     """
-    first = jnp.real(tie.ravel()[0]).astype(jnp.float32)
+    # Indexed, not raveled: a TPU lays arrays out in tiles, and raveling one copies
+    # the whole tie out of them to read one element.
+    first = jnp.real(tie[(0,) * tie.ndim]).astype(jnp.float32)
 
     @jax.custom_batching.custom_vmap
     def conditional(first, operands):
         apply = fn or (lambda x: x)
         # The branches must differ: JAX inlines a `cond` whose branches are equal.
-        return lax.cond(first == first, apply, lambda x: _copy(apply(x)), operands)
+        out = lax.cond(first == first, apply, lambda x: _copy(apply(x)), operands)
+        return lax.optimization_barrier(out) if barrier else out
 
     @conditional.def_vmap
     def batched(axis_size, in_batched, first, operands):
@@ -198,7 +211,7 @@ def passed_after(tie, operands, fn: Callable | None = None) -> Any:
             # infinities of both signs), the copy branch runs: the same values.
             first = jnp.sum(first)
         if fn is None:
-            return passed_after(first, operands), operands_batched
+            return passed_after(first, operands, barrier=barrier), operands_batched
         batched = any(jax.tree.leaves(operands_batched))
         view = fn
         if batched:

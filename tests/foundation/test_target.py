@@ -20,6 +20,7 @@ import residual
 from residual import _jax_private as jp
 from residual import _target
 from residual import policies as rp
+from residual._engine.ordering import passed_after
 from residual._measure import backward
 
 from ..helpers import (
@@ -306,11 +307,30 @@ def test_quantize_int8_of_a_bfloat16_scan_stays_under_plain_on_a_tpu():
     # Widened to float32 before the NaN check's conditional, each layer's bf16 matmul
     # output had a float32 copy beside it: 1.14x plain's peak on v5e, 0.73x since the
     # conditional reads the bf16 value and widens it inside (stored activations, 256
-    # MiB, outweigh what the chip holds on-chip at this size).
+    # MiB, outweigh what the chip holds on-chip at this size). Without a barrier after
+    # the ordering conditional, XLA moved unpacking's widening of the last layer's
+    # codes into it, which returned them as a float32 array: 0.82x.
     ws, x = mlp_params(layers=4, width=1024, batch=16384, dtype=jnp.bfloat16)
     hooked = jax.grad(residual.with_hooks(scan_mlp, policy=rp.Quantize(bits=8)))
     plain = residual.compiled_memory(jax.grad(scan_mlp), ws, x, target="v5e")
     assert residual.compiled_memory(hooked, ws, x, target="v5e").peak <= 0.80 * plain.peak
+
+
+def _passed_after_a_tiled_tie(a, b, x):
+    tie = jnp.tanh(a) @ b
+    return passed_after(tie, x) * 2, jnp.sum(tie * tie, axis=-1)
+
+
+@needs_tpu
+def test_the_ordering_conditional_reads_one_element_of_its_tie_on_a_tpu():
+    # Raveled to read its first element, the tiled tie was copied whole: 2.1x the
+    # tie's bytes of working memory on v5e.
+    tie = jax.ShapeDtypeStruct((32, 4, 256, 256), jnp.float32)
+    a = jax.ShapeDtypeStruct((32, 4, 256, 64), jnp.float32)
+    b = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    memory = residual.compiled_memory(_passed_after_a_tiled_tie, a, b, x, target="v5e")
+    assert memory.beyond < 1.5 * tie.size * 4
 
 
 @needs_tpu
@@ -406,14 +426,15 @@ def test_int4_recomputes_float32_matrices_elementwise_and_stays_under_plain_on_a
     # with it that layer's bf16 tanh derivative, which recomputed alone would store
     # as many bytes). Recomputed (the default), they come back from the layer's
     # stored output. Measured on v5e, jax 0.12.0.1, as ratios to plain's peak:
-    # 1.15x packed and 0.93x recomputed (bf16), 1.35x and 0.96x (GELU).
+    # 0.90x packed and 0.83x recomputed (bf16), 0.88x and 0.87x (GELU); 1.15x and
+    # 1.35x packed while XLA moved unpacking into the ordering conditionals.
     ws = jax.ShapeDtypeStruct((8, 512, 512), dtype)
     x = jax.ShapeDtypeStruct((2048, 512), dtype)
     plain = residual.compiled_memory(jax.grad(model), ws, x, target="v5e").peak
     peaks = {e: residual.compiled_memory(jax.grad(residual.with_hooks(
         model, policy=rp.Quantize(bits=4, elementwise=e))), ws, x, target="v5e").peak / plain
         for e in ("auto", "pack")}
-    assert peaks["pack"] > 1.1 and peaks["auto"] < 1.0, peaks
+    assert peaks["auto"] <= peaks["pack"] and peaks["auto"] < 1.0, peaks
 
 
 def _iterated_gelu_mlp(ws, x):
