@@ -258,12 +258,13 @@ class Quantize(Policy):
         it elsewhere. 4- and 2-bit codes of float32 on one chip recompute matrices
         (2-D as stored, `_lane_dense`) outside scan bodies (`_by_rows`), which they
         group down the rows, where each packed term takes temporary float and mask
-        arrays in the forward (an
-        unrolled 8-layer GELU MLP, batch 4,096 x width 1,024: int4 1.00x plain's peak
-        recomputed against 1.39x packed on v5e, 1.01x against 1.69x on v6e), and pack
-        the rest: the flax Linen CNN's 4-D activations measure 1.13x packed against
-        1.55x recomputed, the zoo's scanned transformers 0.45x to 0.47x against 0.49x
-        to 0.56x (v5e).
+        arrays in the forward (a bf16 tanh MLP summed in float32, 8 layers of 512:
+        int4 0.83x plain's peak recomputed against 1.02x packed on v5e; an unrolled
+        8-layer f32 GELU MLP 1.00x either way at batch 4,096 x width 1,024, 0.87x at
+        2,048 x 512), and pack the rest: the flax Linen CNN's 4-D activations measured
+        1.13x packed against 1.55x recomputed, the zoo's scanned NNX and equinox
+        transformers 0.50x and 0.46x against 0.54x and 0.47x (v5e; haiku's 0.46x
+        against 0.45x).
         Recomputing is measured to cost the memory benchmarks' models nothing on CPU
         and H100, and at 4 bits the zoo's errors within half a point of packing's;
         the other backends' defaults wait for the whole zoo's figures.
