@@ -281,19 +281,9 @@ class Recompute(Decision):
             # Recomputed from unpacked values, the chain is what XLA would otherwise
             # move into the conditional, which would then return each of its floats.
             inputs = ordered(inputs, tie, barrier=any(
-                isinstance(_source_decision(restores, source), Pack) for source in part.sources))
+                isinstance(restores.source_decision(source), Pack) for source in part.sources))
         restores.restored.update(plan.run(part, inputs))
         return restores.restored[residual.info.index]
-
-
-def _source_decision(restores: Restores, source: tuple[str, Any]) -> Decision | None:
-    """The decision that stored a recomputation's source; None for inputs and constants."""
-    kind, key = source
-    if kind == "residual":
-        return restores.handoff.decisions[key]
-    if kind == "saved":
-        return restores.handoff.recompute.saved[key].decision
-    return None
 
 
 def call_hook(which: str, hook: Callable, value: Any, info: ResidualInfo) -> Any:

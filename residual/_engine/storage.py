@@ -140,3 +140,13 @@ class Restores:
             entry = self.handoff.recompute.saved[key]
             return entry.decision.restore(self, entry.residual, tie)
         return key  # a constant
+
+    def source_decision(self, source: tuple[str, Any]) -> Decision | None:
+        """The decision that stored a recomputation's source; None for inputs and
+        constants."""
+        kind, key = source
+        if kind == "residual":
+            return self.handoff.decisions[key]
+        if kind == "saved":
+            return self.handoff.recompute.saved[key].decision
+        return None
