@@ -49,10 +49,11 @@ POLICIES = {
     "int4 g16 bytes": rp.Quantize(bits=4, group_size=16),
 }
 # For a TPU, whose default (on one chip, for float32) recomputes elementwise chains for
-# 8-bit codes and, at 4 bits, packs those of residuals that are not matrices or lie in
-# scan bodies (the zoo's activations): the other choice at each width.
+# 8-bit codes and, at 4 bits, for matrices and token streams outside scan bodies (the
+# unrolled transformer's activations) and packs the rest: both choices at each width.
 ELEMENTWISE = {
     "int8 packed": rp.Quantize(bits=8, elementwise="pack"),
+    "int4 packed": rp.Quantize(bits=4, elementwise="pack"),
     "int4 recomputed": rp.Quantize(bits=4, elementwise="recompute"),
 }
 # Recompute each layer from its input in the backward: only where the layers are one

@@ -129,11 +129,12 @@ class Quantize(Policy):
       TPU compilers fuse those chains and store little of them, so packing each one
       adds memory there. `elementwise="auto"` (the default) recomputes them in a
       program compiled for a TPU for 8-bit codes (int8, fp8), for 4- and 2-bit
-      codes of 16-bit floats and of float32 matrices (2-D) outside scan bodies, and
-      at every width in a program partitioned over several devices
-      (`ResidualInfo.devices`); it packs every other residual: on CPU and GPU, and on
-      one TPU chip 4- and 2-bit codes of float32 in scan bodies or not 2-D (a
-      transformer's or a CNN's activations). See the policies page for the figures.
+      codes of 16-bit floats and of float32 matrices (2-D) and token streams
+      (`[batch, sequence, width]`) outside scan bodies, and at every width in a
+      program partitioned over several devices (`ResidualInfo.devices`); it packs
+      every other residual: on CPU and GPU, and on one TPU chip 4- and 2-bit codes
+      of float32 in scan bodies or of more axes (a CNN's activations). See the
+      policies page for the figures.
 
     Built-in defaults: only floating-point residuals of at least `min_bytes` that are
     not kept alive anyway (`ResidualInfo.kept_alive`: weights, loop-invariant
@@ -261,10 +262,12 @@ class Quantize(Policy):
         arrays in the forward (a bf16 tanh MLP summed in float32, 8 layers of 512:
         int4 0.83x plain's peak recomputed against 1.02x packed on v5e; an unrolled
         8-layer f32 GELU MLP 1.00x either way at batch 4,096 x width 1,024, 0.87x at
-        2,048 x 512), and pack the rest: the flax Linen CNN's 4-D activations measured
-        1.13x packed against 1.55x recomputed, the zoo's scanned NNX and equinox
-        transformers 0.50x and 0.46x against 0.54x and 0.47x (v5e; haiku's 0.46x
-        against 0.45x).
+        2,048 x 512), and token streams outside scan bodies (`_is_token_stream`: the
+        zoo's flax NNX transformer unrolled, int4 0.62x against 0.66x packed at 8
+        sequences, 0.54x against 1.05x at 32); they pack the rest: the flax Linen
+        CNN's 4-D activations measured 1.27x packed against 2.89x recomputed, the
+        zoo's scanned NNX and equinox transformers 0.50x and 0.46x against 0.54x and
+        0.47x (v5e; haiku's 0.46x against 0.45x).
         Recomputing is measured to cost the memory benchmarks' models nothing on CPU
         and H100, and at 4 bits the zoo's errors within half a point of packing's;
         the other backends' defaults wait for the whole zoo's figures.
@@ -282,7 +285,7 @@ class Quantize(Policy):
         """
         return _fusion.recomputes(self.elementwise, auto=_fusion.for_a_tpu() and (
             self._eight_bits or _is_16_bit(info.dtype) or info.devices > 1
-            or self._by_rows(self._lane_dense(info))))
+            or self._by_rows(self._lane_dense(info)) or _is_token_stream(info)))
 
     def _windows(self, sharded: bool) -> bool:
         """Whether groups reduce over windows of the residual as it lies (`Layout.reduce`):
@@ -523,6 +526,12 @@ class Quantize(Policy):
         values = int_values(codes, layout.unstored(packed["zero"]), scale, layout, self.bits,
                             self._square_grid)
         return layout.ungroup(values).astype(info.dtype)
+
+
+def _is_token_stream(info: ResidualInfo) -> bool:
+    """Whether the residual is a sequence model's `[batch, sequence, width]` activation
+    outside a scan body."""
+    return len(info.shape) == 3 and not info.in_scan
 
 
 def _is_16_bit(dtype: Any) -> bool:
