@@ -264,10 +264,10 @@ class Quantize(Policy):
         8-layer f32 GELU MLP 1.00x either way at batch 4,096 x width 1,024, 0.87x at
         2,048 x 512), and token streams outside scan bodies (`_is_token_stream`: the
         zoo's flax NNX transformer unrolled, int4 0.62x against 0.66x packed at 8
-        sequences, 0.54x against 1.05x at 32); they pack the rest: the flax Linen
-        CNN's 4-D activations measured 1.27x packed against 2.89x recomputed, the
-        zoo's scanned NNX and equinox transformers 0.50x and 0.46x against 0.54x and
-        0.47x (v5e; haiku's 0.46x against 0.45x).
+        sequences, 0.54x against 1.05x at 32, 2-bit 0.49x against 0.95x); they pack
+        the rest: the flax Linen CNN's 4-D activations measured 1.27x packed against
+        2.89x recomputed, the zoo's scanned NNX and equinox transformers 0.50x and
+        0.46x against 0.54x and 0.47x (v5e; haiku's 0.46x against 0.45x).
         Recomputing is measured to cost the memory benchmarks' models nothing on CPU
         and H100, and at 4 bits the zoo's errors within half a point of packing's;
         the other backends' defaults wait for the whole zoo's figures.
