@@ -262,6 +262,9 @@ class Recompute(Decision):
     def restore(self, restores: Restores, residual: Residual, tie: Any) -> Any:
         plan = restores.handoff.recompute
         part = plan.slice_of[residual.info.index]
+        # Sources unpacked here and now were ordered after `tie` with their codes.
+        unpacked_now = [tie is not None and isinstance(restores.source_decision(source), Pack)
+                        and not restores.was_restored(source) for source in part.sources]
         inputs = [restores.source(source, tie) for source in part.sources]
         # Tied to the backward where it is needed, the recomputation can neither
         # merge with the forward nor be scheduled early.
@@ -280,8 +283,13 @@ class Recompute(Decision):
         else:
             # Recomputed from unpacked values, the chain is what XLA would otherwise
             # move into the conditional, which would then return each of its floats.
-            inputs = ordered(inputs, tie, barrier=any(
-                isinstance(restores.source_decision(source), Pack) for source in part.sources))
+            # A float unpacked just now is already ordered: passed through again, a
+            # TPU would copy it whole to lay it out for the conditional.
+            barrier = any(isinstance(restores.source_decision(source), Pack)
+                          for source in part.sources)
+            tied = iter(ordered([v for v, now in zip(inputs, unpacked_now) if not now], tie,
+                                barrier=barrier))
+            inputs = [v if now else next(tied) for v, now in zip(inputs, unpacked_now)]
         restores.restored.update(plan.run(part, inputs))
         return restores.restored[residual.info.index]
 

@@ -141,6 +141,11 @@ class Restores:
             return entry.decision.restore(self, entry.residual, tie)
         return key  # a constant
 
+    def was_restored(self, source: tuple[str, Any]) -> bool:
+        """Whether a recomputation's source was restored already, by an earlier use."""
+        kind, key = source
+        return kind == "residual" and key in self.restored
+
     def source_decision(self, source: tuple[str, Any]) -> Decision | None:
         """The decision that stored a recomputation's source; None for inputs and
         constants."""
