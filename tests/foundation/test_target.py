@@ -277,13 +277,12 @@ def test_plan_on_a_target_is_never_above_plain_and_runs_nothing(target, model, l
 
 @needs_tpu
 def test_plan_stays_at_plain_where_a_policy_loses_on_tpu():
-    # Two layers on v5e: bfloat16 residuals take 1.13x plain's peak (1.27x casting the
-    # tanh chain's residuals too: the TPU compiler keeps the floats it fuses as well as
-    # the packed copies); the plan keeps them.
+    # Two layers on v5e: bfloat16 residuals take 1.07x plain's peak (jax 0.12.0.1); the
+    # plan keeps them.
     ws, x = mlp_params(layers=2, width=256, batch=512)
     cast = jax.grad(residual.with_hooks(unrolled_mlp, policy=rp.Cast(jnp.bfloat16)))
     plain = residual.compiled_memory(jax.grad(unrolled_mlp), ws, x, target="v5e").peak
-    assert residual.compiled_memory(cast, ws, x, target="v5e").peak > 1.1 * plain
+    assert residual.compiled_memory(cast, ws, x, target="v5e").peak > plain
     p = residual.plan(unrolled_mlp, ws, x, budget=None, target="v5e", actions=ACTIONS)
     assert p.memory <= plain and all(d.action != "bf16" for d in p.decisions)
 
