@@ -262,9 +262,11 @@ class Recompute(Decision):
     def restore(self, restores: Restores, residual: Residual, tie: Any) -> Any:
         plan = restores.handoff.recompute
         part = plan.slice_of[residual.info.index]
+        unpacked = [isinstance(restores.source_decision(source), Pack)
+                    for source in part.sources]
         # Sources unpacked here and now were ordered after `tie` with their codes.
-        unpacked_now = [tie is not None and isinstance(restores.source_decision(source), Pack)
-                        and not restores.was_restored(source) for source in part.sources]
+        unpacked_now = [u and tie is not None and not restores.was_restored(source)
+                        for u, source in zip(unpacked, part.sources)]
         inputs = [restores.source(source, tie) for source in part.sources]
         # Tied to the backward where it is needed, the recomputation can neither
         # merge with the forward nor be scheduled early.
@@ -278,20 +280,22 @@ class Recompute(Decision):
             # value, which XLA gathers again where the backward shares the forward's
             # gathered copy: FSDP then gathers each weight once more per layer. The
             # stored sources tie the recomputation.
-            tied = iter(ordered([v for v, s in zip(inputs, stored) if s], tie))
-            inputs = [next(tied) if s else v for v, s in zip(inputs, stored)]
+            inputs = _ordered_where(inputs, stored, tie)
         else:
             # Recomputed from unpacked values, the chain is what XLA would otherwise
             # move into the conditional, which would then return each of its floats.
             # A float unpacked just now is already ordered: passed through again, a
             # TPU would copy it whole to lay it out for the conditional.
-            barrier = any(isinstance(restores.source_decision(source), Pack)
-                          for source in part.sources)
-            tied = iter(ordered([v for v, now in zip(inputs, unpacked_now) if not now], tie,
-                                barrier=barrier))
-            inputs = [v if now else next(tied) for v, now in zip(inputs, unpacked_now)]
+            inputs = _ordered_where(inputs, [not now for now in unpacked_now], tie,
+                                    barrier=any(unpacked))
         restores.restored.update(plan.run(part, inputs))
         return restores.restored[residual.info.index]
+
+
+def _ordered_where(values: list[Any], chosen: list[bool], tie: Any, **kwargs: Any) -> list[Any]:
+    """`values`, those where `chosen` is true passed through `ordered` after `tie`."""
+    tied = iter(ordered([v for v, c in zip(values, chosen) if c], tie, **kwargs))
+    return [next(tied) if c else v for v, c in zip(values, chosen)]
 
 
 def call_hook(which: str, hook: Callable, value: Any, info: ResidualInfo) -> Any:
